@@ -1,0 +1,1 @@
+"""Subcommands of the `agentloop` command, one module each."""

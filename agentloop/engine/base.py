@@ -1,0 +1,184 @@
+"""The engine protocol: one async interface whose operations mirror SGLang's HTTP server API.
+
+Everything above `agentloop.engine` talks to engines through `EngineClient`; the SGLang HTTP
+client (`sglang.py`) implements it, and because the CPU reference engine (`local/`) serves the same
+HTTP endpoints, that one client drives both. Data types here are the request/response contracts
+(field names follow SGLang's `io_struct.py` and the real responses in `shared/gpu/samples`).
+
+Nothing here may be called for generation directly by agent code: generation goes through
+`agentloop.engine.lifecycle.Lifecycle`, whose gate guarantees the engine is AWAKE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+#: Memory tags SGLang understands for release/resume (`cuda_graph` since ~0.5.5).
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineError(RuntimeError):
+    """An engine call failed. Says which endpoint of which server, the HTTP status and the server's message."""
+
+    def __init__(self, endpoint: str, status: int | None, message: str, *, url: str = "") -> None:
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        self.url = url
+        where = f"{url}{endpoint}" if url else endpoint
+        super().__init__(f"{where} failed (status {status}): {message}")
+
+
+class EngineUnavailable(EngineError):
+    """The server could not be reached (connection refused, reset, timeout): it may be dead."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang `sampling_params` (subset the runtime uses; `extra` passes anything else through)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        out = {k: v for k, v in d.items() if v is not None}
+        out.update(extra)
+        return out
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        d = asdict(self)
+        d.update(changes)
+        return SamplingParams(**d)
+
+
+@dataclass
+class GenerateOutput:
+    """One generate response, parsed.
+
+    `output_ids` are exactly the tokens the engine sampled (with SGLang's `--skip-tokenizer-init`
+    a matched stop token may be the last id); `output_logprobs[i]` is the logprob of `output_ids[i]`.
+    `finish_reason` is SGLang's dict: {"type": "stop", "matched": ...} | {"type": "length", "length": n}
+    | {"type": "abort", "message": ...}.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict[str, Any]
+    weight_version: str
+    rid: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency: float = 0.0
+    server_url: str = ""
+    raw_meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finish_type(self) -> str:
+        return str(self.finish_reason.get("type", "")) if self.finish_reason else ""
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_type == "abort"
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Async operations of one SGLang-compatible server. Implementations raise `EngineError`."""
+
+    url: str
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        timeout: float | None = None,
+    ) -> GenerateOutput: ...
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None: ...
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None: ...
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]: ...
+
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
+
+    async def server_info(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+def parse_generate_response(body: Mapping[str, Any], *, rid: str, server_url: str = "") -> GenerateOutput:
+    """Turn one SGLang `/generate` JSON object into a `GenerateOutput`, checking ids and logprobs agree."""
+    meta = dict(body.get("meta_info") or {})
+    output_ids = [int(t) for t in body.get("output_ids") or []]
+    lp_items = meta.get("output_token_logprobs")
+    if lp_items is None:
+        logprobs: list[float] = []
+    else:
+        logprobs = [float(item[0]) if item[0] is not None else float("nan") for item in lp_items]
+        lp_ids = [int(item[1]) for item in lp_items]
+        if lp_ids != output_ids:
+            raise EngineError(
+                "/generate", 200,
+                f"output_token_logprobs ids {lp_ids[:8]}... disagree with output_ids {output_ids[:8]}...",
+                url=server_url,
+            )
+    return GenerateOutput(
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=dict(meta.get("finish_reason") or {}),
+        weight_version=str(meta.get("weight_version", "")),
+        rid=str(meta.get("id") or rid),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        completion_tokens=int(meta.get("completion_tokens") or len(output_ids)),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        e2e_latency=float(meta.get("e2e_latency") or 0.0),
+        server_url=server_url,
+        raw_meta=meta,
+    )

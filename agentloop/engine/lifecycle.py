@@ -1,0 +1,375 @@
+"""The engine lifecycle: a state machine and a gate over one or many engine servers.
+
+States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
+
+`wake_up(weights)` (staged): resume(["weights"]) → load the new weights → resume(["kv_cache",
+"cuda_graph"]) → continue → AWAKE. One-stage mode resumes every released tag at once, then loads.
+`sleep()`: DRAINING (gate closed: new generations wait) → pause(abort) in-flight requests → wait for
+them to settle → flush_cache (retried while busy) → release every tag → SLEEPING.
+
+This module is the only place that calls an engine's `generate` or `/health`: `Lifecycle.generate`
+awaits the gate, so dispatching to an engine that is not AWAKE is impossible by construction (a
+released SGLang server crashes on a generate or a `/health`). Every stage fans out to all engines
+and is awaited as one; a stage that fails raises `LifecycleError` naming the stage and the server,
+and leaves a state from which `wake_up` (resuming where it stopped) or `sleep` is legal. Each
+engine's released tags are tracked so that exactly the released ones are resumed.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import anyio
+
+from .base import MEMORY_TAGS, EngineClient, EngineError, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(str, enum.Enum):
+    SLEEPING = "SLEEPING"
+    WEIGHTS_RESUMED = "WEIGHTS_RESUMED"
+    WEIGHTS_LOADED = "WEIGHTS_LOADED"
+    AWAKE = "AWAKE"
+    DRAINING = "DRAINING"
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle stage failed (or was asked for out of order). Names the stage and the server."""
+
+    def __init__(self, stage: str, message: str, *, url: str = "", cause: BaseException | None = None):
+        self.stage = stage
+        self.url = url
+        where = f" on {url}" if url else ""
+        super().__init__(f"lifecycle stage '{stage}'{where} failed: {message}")
+        if cause is not None:
+            self.__cause__ = cause
+
+
+@dataclass
+class Weights:
+    """What to load at wake-up: a state dict (name → tensor), a folder/file on disk, or nothing."""
+
+    state_dict: Mapping[str, Any] | None = None
+    path: str | None = None
+    version: str | None = None
+    load_format: str | None = None
+
+    @classmethod
+    def coerce(cls, weights: "Weights | Mapping[str, Any] | str | Path | None") -> "Weights | None":
+        if weights is None or isinstance(weights, Weights):
+            return weights
+        if isinstance(weights, (str, Path)):
+            return cls(path=str(weights))
+        if isinstance(weights, Mapping):
+            return cls(state_dict=weights)
+        raise TypeError(f"weights must be a state dict, a path, Weights or None; got {type(weights).__name__}")
+
+
+@dataclass
+class StageRecord:
+    """Timing of one lifecycle stage (across all engines), for summaries and the timeline."""
+
+    phase: str  # "wake_up" | "sleep"
+    stage: str
+    start: float
+    end: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class _Server:
+    client: EngineClient
+    released: set[str] = field(default_factory=set)
+    in_flight: int = 0
+    settled: anyio.Event = field(default_factory=anyio.Event)
+    model_path: str | None = None
+
+
+class Lifecycle:
+    """State machine + gate over `clients`. Construct with the engines' present state.
+
+    `staged=False` selects one-stage wake-up (for engines without memory tags). `reload_path` is the
+    folder to reload when weights were released and no new weights are given (defaults to each
+    server's `model_info()["model_path"]`). `on_generate` is an instrumentation hook called with
+    (url, state) right before each dispatch.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        *,
+        awake: bool = True,
+        staged: bool = True,
+        release_tags: Sequence[str] = MEMORY_TAGS,
+        reload_path: str | None = None,
+        flush_retries: int = 50,
+        flush_retry_delay: float = 0.05,
+        settle_timeout: float = 60.0,
+        stage_timeout: float = 600.0,
+        on_generate: Callable[[str, EngineState], None] | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("Lifecycle needs at least one engine client")
+        self._servers: dict[str, _Server] = {c.url: _Server(c) for c in clients}
+        self.staged = staged
+        self.release_tags = tuple(release_tags)
+        unknown = set(self.release_tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
+        self.reload_path = reload_path
+        self.flush_retries = flush_retries
+        self.flush_retry_delay = flush_retry_delay
+        self.settle_timeout = settle_timeout
+        self.stage_timeout = stage_timeout
+        self.on_generate = on_generate
+        self._state = EngineState.AWAKE if awake else EngineState.SLEEPING
+        if not awake:
+            for s in self._servers.values():
+                s.released = set(self.release_tags)
+        self._awake_event = anyio.Event()
+        if awake:
+            self._awake_event.set()
+        self._transition_lock = anyio.Lock()
+        self._version_counter = itertools.count(1)
+        self.weight_version: str | None = None
+        self.records: list[StageRecord] = []
+        self.generations_outside_awake = 0  # stays 0: asserted by tests and GPU runs
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._servers)
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return [s.client for s in self._servers.values()]
+
+    def in_flight(self, url: str | None = None) -> int:
+        if url is not None:
+            return self._servers[url].in_flight
+        return sum(s.in_flight for s in self._servers.values())
+
+    def _set_state(self, state: EngineState) -> None:
+        log.debug("lifecycle %s -> %s", self._state.value, state.value)
+        self._state = state
+        if state is EngineState.AWAKE:
+            self._awake_event.set()
+        elif self._awake_event.is_set():
+            self._awake_event = anyio.Event()
+
+    def remove_server(self, url: str) -> None:
+        """Forget a dead server (the router calls this); its in-flight calls end on their own."""
+        if len(self._servers) == 1 and url in self._servers:
+            raise LifecycleError("remove_server", "cannot remove the last engine server", url=url)
+        self._servers.pop(url, None)
+
+    def add_server(self, client: EngineClient) -> None:
+        """Add a server whose memory state matches the lifecycle's (awake only while AWAKE)."""
+        s = _Server(client)
+        if self._state is not EngineState.AWAKE:
+            raise LifecycleError("add_server", f"servers can be added only while AWAKE, not {self._state.value}", url=client.url)
+        self._servers[client.url] = s
+
+    # ------------------------------------------------------------------ gate
+    async def wait_awake(self, timeout: float | None = None) -> None:
+        """Block until the engines are AWAKE (the gate)."""
+        with anyio.fail_after(timeout) if timeout else _nullcontext():
+            while self._state is not EngineState.AWAKE:
+                await self._awake_event.wait()
+
+    async def generate(
+        self,
+        url: str,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        rid: str | None = None,
+        timeout: float | None = None,
+        gate_timeout: float | None = None,
+    ) -> GenerateOutput:
+        """The one road to an engine's generate: waits for AWAKE, counts the request in flight."""
+        server = self._servers.get(url)
+        if server is None:
+            raise EngineError("/generate", None, "server is not (or no longer) part of the lifecycle", url=url)
+        while True:
+            await self.wait_awake(gate_timeout)
+            if self._state is EngineState.AWAKE:  # re-check: no await between this and the increment
+                break
+        if self.on_generate is not None:
+            self.on_generate(url, self._state)
+        if self._state is not EngineState.AWAKE:  # defensive, cannot happen after the loop above
+            self.generations_outside_awake += 1
+        server.in_flight += 1
+        try:
+            return await server.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
+        finally:
+            server.in_flight -= 1
+            if server.in_flight == 0:
+                server.settled.set()
+
+    async def health(self, url: str) -> bool:
+        """Liveness without risk: `/health` (which generates) only while AWAKE, else `/model_info`."""
+        server = self._servers[url]
+        try:
+            if self._state is EngineState.AWAKE:
+                return await server.client.health()
+            await server.client.model_info()
+            return True
+        except EngineError:
+            return False
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Send an abort to every server directly (routers do not forward aborts)."""
+        await self._fan_out("abort", lambda s: s.client.abort_request(rid, abort_all=abort_all))
+
+    # ------------------------------------------------------------------ transitions
+    async def wake_up(self, weights: "Weights | Mapping[str, Any] | str | Path | None" = None) -> str | None:
+        """Staged wake-up. Concurrent callers share one; while AWAKE it only loads new weights if given.
+
+        Returns the weight version now served.
+        """
+        w = Weights.coerce(weights)
+        async with self._transition_lock:
+            if self._state is EngineState.AWAKE:
+                if w is not None:
+                    await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, self._next_version(w)))
+                return self.weight_version
+            if self._state is EngineState.DRAINING:
+                raise LifecycleError("wake_up", "a sleep is in progress; it must finish first")
+            if self.staged:
+                if self._state is EngineState.SLEEPING:
+                    await self._stage("wake_up", "resume_weights", lambda s: self._resume(s, ["weights"]))
+                    self._set_state(EngineState.WEIGHTS_RESUMED)
+                if self._state is EngineState.WEIGHTS_RESUMED:
+                    await self._load_weights(w)
+                    self._set_state(EngineState.WEIGHTS_LOADED)
+                await self._stage("wake_up", "resume_kv_cache", lambda s: self._resume(s, [t for t in MEMORY_TAGS if t != "weights"]))
+            else:
+                await self._stage("wake_up", "resume_all", lambda s: self._resume(s, list(MEMORY_TAGS)))
+                self._set_state(EngineState.WEIGHTS_RESUMED)
+                await self._load_weights(w)
+                self._set_state(EngineState.WEIGHTS_LOADED)
+            self._set_state(EngineState.AWAKE)
+            return self.weight_version
+
+    async def sleep(self) -> None:
+        """Close the gate, abort and settle in-flight requests, flush, release every tag."""
+        async with self._transition_lock:
+            if self._state is EngineState.SLEEPING:
+                return
+            was_awake = self._state is EngineState.AWAKE
+            self._set_state(EngineState.DRAINING)
+            if was_awake:
+                await self._stage("sleep", "pause", lambda s: s.client.pause_generation("abort"))
+                await self._stage("sleep", "settle", self._settle)
+                await self._stage("sleep", "continue", lambda s: s.client.continue_generation())
+                await self._stage("sleep", "flush_cache", self._flush)
+            await self._stage("sleep", "release", self._release)
+            self._set_state(EngineState.SLEEPING)
+
+    # ------------------------------------------------------------------ stages
+    def _next_version(self, w: Weights) -> str:
+        return w.version or f"v{next(self._version_counter)}"
+
+    async def _load_weights(self, w: Weights | None) -> None:
+        if w is None:
+            # Released weights have lost their values (SGLang zeroes them): reload from disk.
+            if "weights" in self.release_tags:
+                await self._stage("wake_up", "update_weights", self._reload)
+            return
+        version = self._next_version(w)
+        await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
+
+    async def _reload(self, s: _Server) -> None:
+        path = self.reload_path or s.model_path
+        if path is None:
+            info = await s.client.model_info()
+            path = s.model_path = info.get("model_path")
+        if not path:
+            raise LifecycleError(
+                "update_weights", "weights were released and no new weights were given, and the server "
+                "reports no model_path to reload from; pass weights= to wake_up", url=s.client.url)
+        version = self.weight_version or "default"
+        await s.client.update_weights_from_disk(path, weight_version=version, flush_cache=True)
+        self.weight_version = version
+
+    async def _load(self, s: _Server, w: Weights, version: str) -> None:
+        if w.state_dict is not None:
+            await s.client.update_weights_from_tensor(
+                list(w.state_dict.items()), load_format=w.load_format, weight_version=version, flush_cache=True)
+        elif w.path is not None:
+            await s.client.update_weights_from_disk(w.path, load_format=w.load_format, weight_version=version, flush_cache=True)
+        else:
+            raise LifecycleError("update_weights", "Weights has neither a state_dict nor a path", url=s.client.url)
+        self.weight_version = version
+
+    async def _resume(self, s: _Server, tags: Sequence[str]) -> None:
+        todo = [t for t in tags if t in s.released]
+        if todo:
+            await s.client.resume_memory_occupation(todo)
+            s.released.difference_update(todo)
+
+    async def _release(self, s: _Server) -> None:
+        todo = [t for t in self.release_tags if t not in s.released]
+        if todo:
+            await s.client.release_memory_occupation(todo)
+            s.released.update(todo)
+
+    async def _settle(self, s: _Server) -> None:
+        with anyio.fail_after(self.settle_timeout):
+            while s.in_flight > 0:
+                s.settled = anyio.Event()
+                await s.settled.wait()
+
+    async def _flush(self, s: _Server) -> None:
+        for _ in range(self.flush_retries):
+            if await s.client.flush_cache():
+                return
+            await anyio.sleep(self.flush_retry_delay)
+        raise LifecycleError("flush_cache", f"engine still busy after {self.flush_retries} tries", url=s.client.url)
+
+    async def _stage(self, phase: str, stage: str, fn: Callable[[_Server], Awaitable[Any]]) -> None:
+        start = time.monotonic()
+        await self._fan_out(stage, fn)
+        self.records.append(StageRecord(phase, stage, start, time.monotonic(), {"servers": len(self._servers)}))
+
+    async def _fan_out(self, stage: str, fn: Callable[[_Server], Awaitable[Any]]) -> None:
+        errors: list[LifecycleError] = []
+
+        async def one(s: _Server) -> None:
+            try:
+                with anyio.fail_after(self.stage_timeout):
+                    await fn(s)
+            except LifecycleError as e:
+                errors.append(e)
+            except (EngineError, TimeoutError, OSError) as e:
+                errors.append(LifecycleError(stage, str(e), url=s.client.url, cause=e))
+
+        async with anyio.create_task_group() as tg:
+            for s in list(self._servers.values()):
+                tg.start_soon(one, s)
+        if errors:
+            raise errors[0]
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
