@@ -141,6 +141,8 @@ class Lifecycle:
         if awake:
             self._awake_event.set()
         self._transition_lock = anyio.Lock()
+        self._last_weights: Weights | None = None
+        self._waking: tuple[Weights | None, anyio.Event, list[BaseException]] | None = None
         self._version_counter = itertools.count(1)
         self.weight_version: str | None = None
         self.records: list[StageRecord] = []
@@ -239,33 +241,56 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ transitions
     async def wake_up(self, weights: "Weights | Mapping[str, Any] | str | Path | None" = None) -> str | None:
-        """Staged wake-up. Concurrent callers share one; while AWAKE it only loads new weights if given.
+        """Staged wake-up; returns the weight version now served.
 
-        Returns the weight version now served.
+        Callers that arrive while a wake-up with the same weights is running share it (and its
+        error). While AWAKE, a call without weights (or with the version already served) is a
+        no-op; new weights are loaded in place, never dropped.
         """
         w = Weights.coerce(weights)
+        joining = self._waking
+        if joining is not None and (w is None or w is joining[0]):
+            await joining[1].wait()
+            if joining[2]:
+                raise joining[2][0]
+            return self.weight_version
         async with self._transition_lock:
             if self._state is EngineState.AWAKE:
-                if w is not None:
-                    await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, self._next_version(w)))
+                already = w is self._last_weights or (w is not None and w.version and w.version == self.weight_version)
+                if w is not None and not already:
+                    version = self._next_version(w)
+                    await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
+                    self._last_weights = w
                 return self.weight_version
             if self._state is EngineState.DRAINING:
                 raise LifecycleError("wake_up", "a sleep is in progress; it must finish first")
-            if self.staged:
-                if self._state is EngineState.SLEEPING:
-                    await self._stage("wake_up", "resume_weights", lambda s: self._resume(s, ["weights"]))
-                    self._set_state(EngineState.WEIGHTS_RESUMED)
-                if self._state is EngineState.WEIGHTS_RESUMED:
-                    await self._load_weights(w)
-                    self._set_state(EngineState.WEIGHTS_LOADED)
-                await self._stage("wake_up", "resume_kv_cache", lambda s: self._resume(s, [t for t in MEMORY_TAGS if t != "weights"]))
-            else:
-                await self._stage("wake_up", "resume_all", lambda s: self._resume(s, list(MEMORY_TAGS)))
+            self._waking = (w, anyio.Event(), [])
+            try:
+                await self._wake_stages(w)
+                self._last_weights = w
+            except BaseException as e:
+                self._waking[2].append(e)
+                raise
+            finally:
+                self._waking[1].set()
+                self._waking = None
+            return self.weight_version
+
+    async def _wake_stages(self, w: Weights | None) -> None:
+        if self.staged:
+            if self._state is EngineState.SLEEPING:
+                await self._stage("wake_up", "resume_weights", lambda s: self._resume(s, ["weights"]))
                 self._set_state(EngineState.WEIGHTS_RESUMED)
+            if self._state is EngineState.WEIGHTS_RESUMED:
                 await self._load_weights(w)
                 self._set_state(EngineState.WEIGHTS_LOADED)
-            self._set_state(EngineState.AWAKE)
-            return self.weight_version
+            await self._stage("wake_up", "resume_kv_cache", lambda s: self._resume(s, [t for t in MEMORY_TAGS if t != "weights"]))
+        else:
+            await self._stage("wake_up", "resume_all", lambda s: self._resume(s, list(MEMORY_TAGS)))
+            self._set_state(EngineState.WEIGHTS_RESUMED)
+            await self._load_weights(w)
+            self._set_state(EngineState.WEIGHTS_LOADED)
+        self._set_state(EngineState.AWAKE)
 
     async def sleep(self) -> None:
         """Close the gate, abort and settle in-flight requests, flush, release every tag."""
