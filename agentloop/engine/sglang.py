@@ -1,0 +1,410 @@
+"""The SGLang HTTP client: `EngineClient` over aiohttp, for real `sglang.launch_server` and the CPU engine.
+
+Owns the wire protocol of one server: endpoint paths, request bodies and response shapes exactly as
+SGLang 0.5.17 speaks them (see `shared/sglang-api.md` and the recorded responses in
+`shared/gpu/samples/http_samples.json`):
+
+- `/release_memory_occupation`, `/resume_memory_occupation` answer 200 with body `null`;
+  `/abort_request` answers an empty 200; `/flush_cache` answers text (400 while requests run, which
+  `flush_cache()` reports as False so the lifecycle can retry); weight updates answer
+  `{"success", "message"}` where `success: false` (HTTP 400) raises.
+- SGLang's error bodies come in three shapes (`{"error": {"message"}}` from its handlers,
+  `{"detail": ...}` from FastAPI validation, `{"success": false, "message"}` from weight updates)
+  and plain text; `EngineError` carries the endpoint, status and the server's message from any.
+
+Network discipline: one shared `aiohttp.ClientSession` (created lazily in the running event loop,
+closed by `close()`), a timeout on every call, and retries with backoff only where repeating cannot
+do harm: GET requests (they change nothing) and any request whose TCP connection could not be
+opened (nothing was sent). A POST that reached the server is never repeated: a repeated
+`/generate` would sample twice, a repeated release could hit a KeyError on resume.
+
+Tensor weight updates pick their transport from the server: the CPU engine's `/server_info` says
+`"tensor_transport": "safetensors"` and gets base64 safetensors bytes (no pickle on the network);
+real SGLang gets its own `MultiprocessingSerializer` payloads (CUDA IPC handles; one per TP rank,
+like `Engine._serialize_tensors_per_rank`), imported lazily so this module needs no sglang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import uuid
+from typing import Any, Literal, Mapping, Sequence
+
+import aiohttp
+import anyio
+
+from .base import EngineError, EngineUnavailable, GenerateOutput, PauseMode, SamplingParams, parse_generate_response
+
+log = logging.getLogger(__name__)
+
+TensorTransport = Literal["auto", "safetensors", "cuda_ipc"]
+
+#: Connection failures that happen before any byte of the request left this process.
+_NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,)
+#: asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
+_TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
+
+
+def error_message(body: bytes | str) -> str:
+    """The human message inside any of SGLang's error bodies (JSON shapes or plain text)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip() or "(empty response body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, (str, list)) and err:
+            return err if isinstance(err, str) else "; ".join(map(str, err))
+        detail = data.get("detail")
+        if isinstance(detail, list):  # FastAPI/pydantic validation errors
+            parts = []
+            for d in detail:
+                if isinstance(d, dict):
+                    loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
+                    parts.append(f"{loc}: {d.get('msg', d)}" if loc else str(d.get("msg", d)))
+                else:
+                    parts.append(str(d))
+            return "; ".join(parts)
+        if detail is not None:
+            return str(detail)
+        if "message" in data:
+            return str(data["message"])
+    return text.strip()
+
+
+def safetensors_payload(named_tensors: Sequence[tuple[str, Any]]) -> str:
+    """Base64 of `safetensors.torch.save` bytes of the named tensors (the CPU engine's tensor transport)."""
+    from safetensors.torch import save
+
+    tensors: dict[str, Any] = {}
+    for name, t in named_tensors:
+        if name in tensors:
+            raise ValueError(f"tensor name {name!r} appears twice in the weight update")
+        # safetensors wants dense CPU tensors that own their storage (no shared views).
+        tensors[name] = t.detach().to("cpu").contiguous().clone()
+    return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def cuda_ipc_payloads(named_tensors: Sequence[tuple[str, Any]], tp_size: int) -> list[str]:
+    """SGLang's own HTTP payloads: one `MultiprocessingSerializer` string per TP rank.
+
+    Each TP rank deserializes only its own copy (`tp_worker._deserialize_own_rank`), so producer-side
+    CUDA-IPC refcounts drop cleanly. Tensors must live on a CUDA device of this node; CPU tensors are
+    moved to the current device (the caller keeps the list alive until the HTTP call returns).
+    """
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    # Device UUIDs instead of indices in the IPC handles: the server may see other CUDA_VISIBLE_DEVICES.
+    monkey_patch_torch_reductions()
+    if not torch.cuda.is_available():
+        raise EngineError("/update_weights_from_tensor", None,
+                          "CUDA IPC transport needs CUDA tensors but this process has no CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    named = [(n, t.detach().to(dev) if t.device.type != "cuda" else t.detach()) for n, t in named_tensors]
+    return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(max(1, tp_size))]
+
+
+class SGLangClient:
+    """Async client of one SGLang-compatible HTTP server (real SGLang or `agentloop serve`).
+
+    `timeout` bounds every control call; `generate_timeout` bounds a generate unless the call gives
+    its own. `retries`/`backoff` apply only to safe-to-repeat requests (see module docstring).
+    `tensor_transport="auto"` asks `/server_info` once which weight-tensor transport to use.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 60.0,
+        generate_timeout: float = 900.0,
+        session: aiohttp.ClientSession | None = None,
+        tensor_transport: TensorTransport = "auto",
+        retries: int = 3,
+        backoff: float = 0.2,
+        max_connections: int = 2048,
+    ) -> None:
+        if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
+            raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.generate_timeout = generate_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_connections = max_connections
+        self.tensor_transport: TensorTransport = tensor_transport
+        self._session = session
+        self._owns_session = session is None
+        self._tp_size: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
+
+    # ------------------------------------------------------------------ session
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            if not self._owns_session:
+                raise EngineError("(session)", None, "the aiohttp session given to SGLangClient is closed", url=self.url)
+            # limit: a rollout step keeps hundreds of generates open at once; aiohttp's default (100)
+            # would queue them client-side and eat into their timeouts.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+        return self._session
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None if self._owns_session else self._session
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ transport
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        retry: bool | None = None,
+        ok_statuses: Sequence[int] = (200,),
+    ) -> tuple[int, bytes]:
+        """Send one request; returns (status, body). Raises EngineUnavailable / EngineError.
+
+        Statuses outside `ok_statuses` raise `EngineError` with the server's message.
+        """
+        if retry is None:
+            retry = method == "GET"
+        tmo = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
+        attempts = 1 + max(0, self.retries)
+        last: EngineUnavailable | None = None
+        for attempt in range(attempts):
+            if attempt:
+                await anyio.sleep(self.backoff * (2 ** (attempt - 1)))
+            try:
+                kwargs: dict[str, Any] = {"timeout": tmo}
+                if body is not None:
+                    kwargs["json"] = body
+                async with self._get_session().request(method, self.url + endpoint, **kwargs) as resp:
+                    data = await resp.read()
+                    status = resp.status
+            except _NOT_SENT_ERRORS as e:
+                last = EngineUnavailable(endpoint, None, f"cannot connect: {e}", url=self.url)
+                continue  # nothing was sent: repeating is always safe
+            except (aiohttp.ClientError, *_TIMEOUT_ERRORS, OSError) as e:
+                what = f"timed out after {tmo.total}s" if isinstance(e, _TIMEOUT_ERRORS) else f"{type(e).__name__}: {e}"
+                last = EngineUnavailable(endpoint, None, what, url=self.url)
+                if retry:
+                    continue
+                raise last from e
+            if status not in ok_statuses:
+                if retry and status in (502, 503, 504) and attempt + 1 < attempts:
+                    last = EngineUnavailable(endpoint, status, error_message(data), url=self.url)
+                    continue
+                raise EngineError(endpoint, status, error_message(data), url=self.url)
+            return status, data
+        assert last is not None
+        raise last
+
+    async def _json(self, method: str, endpoint: str, body: Any = None, **kw: Any) -> Any:
+        _, data = await self._request(method, endpoint, body, **kw)
+        if not data:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise EngineError(endpoint, 200, f"response is not JSON: {data[:200]!r}", url=self.url) from e
+
+    async def _success_call(self, endpoint: str, body: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
+        """POST to an endpoint answering `{"success", "message"}`; `success: false` raises."""
+        status, data = await self._request("POST", endpoint, dict(body), ok_statuses=(200, 400), **kw)
+        try:
+            out = json.loads(data) if data else None
+        except ValueError:
+            out = None
+        if not isinstance(out, dict) or "success" not in out:
+            raise EngineError(endpoint, status, error_message(data), url=self.url)
+        if not out["success"]:
+            raise EngineError(endpoint, status, str(out.get("message", "")), url=self.url)
+        return out
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        timeout: float | None = None,
+    ) -> GenerateOutput:
+        # A rid is always sent so every request can be aborted by id.
+        rid = rid or uuid.uuid4().hex
+        body = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling_params.to_json(),
+            "return_logprob": bool(return_logprob),
+            "rid": rid,
+        }
+        out = await self._json("POST", "/generate", body,
+                               timeout=timeout if timeout is not None else self.generate_timeout, retry=False)
+        if not isinstance(out, dict):
+            raise EngineError("/generate", 200, f"expected one JSON object, got {type(out).__name__}", url=self.url)
+        if "error" in out and "output_ids" not in out:
+            raise EngineError("/generate", 200, error_message(json.dumps(out)), url=self.url)
+        return parse_generate_response(out, rid=rid, server_url=self.url)
+
+    # ------------------------------------------------------------------ memory
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._request("POST", "/release_memory_occupation", {"tags": list(tags)} if tags is not None else {})
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._request("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags is not None else {})
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache,
+                                "abort_all_requests": abort_all_requests}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._success_call("/update_weights_from_disk", body)
+
+    async def resolve_tensor_transport(self) -> TensorTransport:
+        """`safetensors` for the CPU engine, `cuda_ipc` for real SGLang (asked once, then cached)."""
+        if self.tensor_transport == "auto":
+            info = await self.server_info()
+            self._tp_size = int(info.get("tp_size") or 1)
+            self.tensor_transport = "safetensors" if info.get("tensor_transport") == "safetensors" else "cuda_ipc"
+        return self.tensor_transport
+
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Sequence[tuple[str, Any]],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        named = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        transport = await self.resolve_tensor_transport()
+        if transport == "safetensors":
+            # Serializing a model's worth of tensors is CPU work: keep the event loop free.
+            payloads = [await anyio.to_thread.run_sync(safetensors_payload, named)]
+        else:
+            if self._tp_size is None:
+                self._tp_size = int((await self.server_info()).get("tp_size") or 1)
+            payloads = cuda_ipc_payloads(named, self._tp_size)
+        body: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": load_format,
+                                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        # `named` (and with it every CUDA tensor the IPC handles point at) stays referenced until the
+        # server has answered, i.e. until it has copied the values.
+        return await self._success_call("/update_weights_from_tensor", body)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        return await self._success_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout=timeout)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                                "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
+                                "flush_cache": flush_cache, "load_format": load_format}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self._success_call("/update_weights_from_distributed", body, timeout=timeout)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._success_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self) -> bool:
+        """True once flushed; False while the server is busy (SGLang answers 400 then)."""
+        status, data = await self._request("POST", "/flush_cache", None, ok_statuses=(200, 400))
+        if status != 200:
+            log.debug("flush_cache on %s refused (%s): %s", self.url, status, error_message(data))
+        return status == 200
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort|retract|in_place, not {mode!r}")
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        if not rid and not abort_all:
+            raise ValueError("abort_request needs a rid or abort_all=True")
+        body: dict[str, Any] = {"abort_all": bool(abort_all)}
+        if rid:
+            body["rid"] = rid
+        await self._request("POST", "/abort_request", body)
+
+    async def health(self) -> bool:
+        """GET /health (on SGLang this runs a 1-token generate: call only while AWAKE, via the lifecycle).
+
+        503 (starting, or unhealthy) is False; a connection failure raises EngineUnavailable.
+        """
+        status, _ = await self._request("GET", "/health", None, retry=False, ok_statuses=(200, 500, 502, 503, 504))
+        return status == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        out = await self._json("GET", "/model_info")
+        if not isinstance(out, dict):
+            raise EngineError("/model_info", 200, f"expected a JSON object, got {out!r:.200}", url=self.url)
+        return out
+
+    async def server_info(self) -> dict[str, Any]:
+        out = await self._json("GET", "/server_info")
+        if not isinstance(out, dict):
+            raise EngineError("/server_info", 200, f"expected a JSON object, got {out!r:.200}", url=self.url)
+        return out
+
+    async def weight_version(self) -> str:
+        """The served weight version (`/model_info`; SGLang removed `/get_weight_version`)."""
+        return str((await self.model_info()).get("weight_version", ""))
