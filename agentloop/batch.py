@@ -1,0 +1,157 @@
+"""Trajectories → the padded tensor batch a PPO/GRPO trainer consumes (DESIGN.md's data contract).
+
+This module owns collation only. Layout, for B trajectories, P = longest prompt, R = longest
+response (or the `pad_to` lengths):
+
+- `prompts`  [B, P]  prompt ids, **left**-padded (so every prompt ends at column P-1),
+- `responses` [B, R] response ids, **right**-padded (so every response starts at column P of input_ids),
+- `input_ids` [B, P+R] = prompts ‖ responses,
+- `attention_mask` [B, P+R] 1 on real tokens, 0 on padding,
+- `position_ids` [B, P+R] 0,1,2,... over real tokens (left padding gets 0, right padding repeats the last),
+- `response_mask` [B, R] 1 where the policy sampled the token, 0 on tool/user/template tokens and padding,
+- `rollout_log_probs` [B, R] the engine's logprob of each sampled token, 0 elsewhere,
+- `token_level_rewards` [B, R] the trajectory's reward at its last response token, 0 elsewhere,
+- `rewards` [B] the scalar reward (0 where none),
+
+plus per-sample lists (uids, group_ids, statuses, ...). The mask-1 tokens are copied verbatim from the
+trajectories: nothing is decoded or re-tokenized here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, TypedDict
+
+import torch
+
+from .types import Trajectory
+
+__all__ = ["RolloutBatch", "collate", "CollateError"]
+
+
+class CollateError(ValueError):
+    """The trajectories cannot be collated (inconsistent lengths, longer than `pad_to`, ...)."""
+
+
+class RolloutBatch(TypedDict):
+    """The hand-off to the trainer. Tensors are row-aligned with the per-sample lists."""
+
+    prompts: torch.Tensor  #: [B, P] long, left-padded with pad_token_id
+    responses: torch.Tensor  #: [B, R] long, right-padded with pad_token_id
+    input_ids: torch.Tensor  #: [B, P+R] long
+    attention_mask: torch.Tensor  #: [B, P+R] long, 1 = real token
+    position_ids: torch.Tensor  #: [B, P+R] long
+    response_mask: torch.Tensor  #: [B, R] long, 1 = token sampled by the policy (train on these)
+    rollout_log_probs: torch.Tensor  #: [B, R] float32, engine logprobs at mask-1 positions, else 0
+    token_level_rewards: torch.Tensor  #: [B, R] float32, reward at the last response token
+    rewards: torch.Tensor  #: [B] float32, scalar reward per trajectory (0.0 where None)
+    prompt_lengths: torch.Tensor  #: [B] long
+    response_lengths: torch.Tensor  #: [B] long
+    uids: list[str]
+    group_ids: list[str]
+    index_in_group: list[int]
+    statuses: list[str]
+    finish_reasons: list[str]
+    num_turns: list[int]
+    tool_calls: list[int]
+    weight_versions: list[str]  #: the trajectory's (last) weight version
+    turn_weight_versions: list[list[str]]  #: weight version of each model turn (partial rollouts can mix)
+    errors: list[str | None]
+
+
+def collate(
+    trajectories: Sequence[Trajectory],
+    *,
+    pad_token_id: int,
+    pad_to: tuple[int | None, int | None] | None = None,
+) -> RolloutBatch:
+    """Pad `trajectories` into a `RolloutBatch`.
+
+    Pads to the batch's own longest prompt and response; `pad_to=(prompt_len, response_len)` pads to
+    fixed lengths instead (either may be None = batch longest) and raises `CollateError` if a
+    trajectory is longer. Each trajectory's invariants are checked first.
+    """
+    if not isinstance(pad_token_id, int):
+        raise CollateError(f"pad_token_id must be an int, got {pad_token_id!r}")
+    for t in trajectories:
+        try:
+            t.check_invariants()
+        except ValueError as e:
+            raise CollateError(f"cannot collate: {e}") from None
+    b = len(trajectories)
+    p_len = max((len(t.prompt_ids) for t in trajectories), default=0)
+    r_len = max((len(t.response_ids) for t in trajectories), default=0)
+    if pad_to is not None:
+        want_p, want_r = pad_to
+        if want_p is not None:
+            if p_len > want_p:
+                uid = next(t.uid for t in trajectories if len(t.prompt_ids) == p_len)
+                raise CollateError(f"trajectory {uid}: prompt of {p_len} tokens is longer than pad_to prompt length {want_p}")
+            p_len = want_p
+        if want_r is not None:
+            if r_len > want_r:
+                uid = next(t.uid for t in trajectories if len(t.response_ids) == r_len)
+                raise CollateError(f"trajectory {uid}: response of {r_len} tokens is longer than pad_to response length {want_r}")
+            r_len = want_r
+
+    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
+    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
+    prompt_attn = torch.zeros((b, p_len), dtype=torch.long)
+    response_attn = torch.zeros((b, r_len), dtype=torch.long)
+    response_mask = torch.zeros((b, r_len), dtype=torch.long)
+    logprobs = torch.zeros((b, r_len), dtype=torch.float32)
+    token_rewards = torch.zeros((b, r_len), dtype=torch.float32)
+    rewards = torch.zeros(b, dtype=torch.float32)
+
+    for i, t in enumerate(trajectories):
+        n_p, n_r = len(t.prompt_ids), len(t.response_ids)
+        if n_p:
+            prompts[i, p_len - n_p:] = torch.tensor(t.prompt_ids, dtype=torch.long)
+            prompt_attn[i, p_len - n_p:] = 1
+        if n_r:
+            responses[i, :n_r] = torch.tensor(t.response_ids, dtype=torch.long)
+            response_attn[i, :n_r] = 1
+            mask = torch.tensor(t.response_mask, dtype=torch.long)
+            response_mask[i, :n_r] = mask
+            # logprobs only where sampled: mask-0 positions may carry placeholders in the trajectory
+            logprobs[i, :n_r] = torch.tensor(t.response_logprobs, dtype=torch.float32) * mask
+        reward = float(t.reward) if t.reward is not None else 0.0
+        rewards[i] = reward
+        if n_r:
+            token_rewards[i, n_r - 1] = reward
+
+    attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
+    # Positions count real tokens only; left padding gets 0 (as HF/verl do for left-padded prompts).
+    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+    return RolloutBatch(
+        prompts=prompts,
+        responses=responses,
+        input_ids=torch.cat([prompts, responses], dim=1),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        rollout_log_probs=logprobs,
+        token_level_rewards=token_rewards,
+        rewards=rewards,
+        prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
+        response_lengths=torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long),
+        uids=[t.uid for t in trajectories],
+        group_ids=[t.group_id for t in trajectories],
+        index_in_group=[t.index_in_group for t in trajectories],
+        statuses=[t.status for t in trajectories],
+        finish_reasons=[t.finish_reason for t in trajectories],
+        num_turns=[t.num_turns for t in trajectories],
+        tool_calls=[t.tool_calls for t in trajectories],
+        weight_versions=[t.weight_version for t in trajectories],
+        turn_weight_versions=[t.weight_versions for t in trajectories],
+        errors=[t.error for t in trajectories],
+    )
+
+
+def batch_summary(batch: RolloutBatch) -> dict[str, Any]:
+    """Shapes and token counts of a batch, for logs."""
+    return {
+        "size": len(batch["uids"]),
+        "prompt_length": int(batch["prompts"].shape[1]),
+        "response_length": int(batch["responses"].shape[1]),
+        "sampled_tokens": int(batch["response_mask"].sum()),
+    }
