@@ -1,0 +1,230 @@
+"""Prompt datasets: JSONL or Parquet rows → `agentloop.types.Sample`.
+
+A row holds `messages` (OpenAI chat format) or `prompt` (a string, becomes one user message), and
+optionally `tools` (OpenAI function schemas), `agent` (agent-loop name), `reward` (reward-function
+name), `ground_truth`, `uid`/`id`, and `extra`. Any other top-level key is carried through in
+`Sample.extra` untouched, next to the row's own `extra` dict.
+
+A bad row is never dropped silently: it becomes a `BadRow` naming the file, the line (JSONL) or
+row number (Parquet, 1-based) and the problem. With `on_bad_row="skip"` it is counted and reported
+and loading goes on; with `"stop"` loading raises `DatasetError` at the first one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .types import Sample
+
+OnBadRow = Literal["skip", "stop"]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DatasetError(ValueError):
+    """The dataset (or one row of it) cannot be used. The message names the file and line."""
+
+
+@dataclass(frozen=True)
+class BadRow:
+    path: str
+    line: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.problem}"
+
+
+@dataclass
+class Dataset:
+    samples: list[Sample] = field(default_factory=list)
+    bad_rows: list[BadRow] = field(default_factory=list)
+    path: str = ""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[Any] | None = None
+
+
+class _Row(BaseModel):
+    """The schema of one row. Unknown keys are allowed and end up in `Sample.extra`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[_Message] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    agent: str | None = None
+    reward: str | None = None
+    ground_truth: Any = None
+    uid: str | int | None = None
+    id: str | int | None = None
+    extra: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, t in enumerate(tools or []):
+            fn = t.get("function") if t.get("type", "function") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(
+                    f"tools[{i}] is not an OpenAI function schema "
+                    '({"type": "function", "function": {"name": ..., "parameters": ...}})')
+        return tools
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "_Row":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("a row needs exactly one of 'messages' (OpenAI chat list) or 'prompt' (string)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' is empty")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("'prompt' is empty")
+        return self
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def row_to_sample(
+    row: Any,
+    *,
+    default_uid: str,
+    known_agents: Iterable[str] | None = None,
+    known_rewards: Iterable[str] | None = None,
+) -> Sample:
+    """Validate one decoded row and build its Sample. Raises ValueError with the problem."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
+    try:
+        r = _Row.model_validate(row)
+    except ValidationError as e:
+        raise ValueError(_format_validation_error(e)) from None
+    if known_agents is not None and r.agent is not None and r.agent not in set(known_agents):
+        raise ValueError(f"agent: unknown agent loop {r.agent!r}; known: {sorted(known_agents)}")
+    if known_rewards is not None and r.reward is not None and r.reward not in set(known_rewards):
+        raise ValueError(f"reward: unknown reward function {r.reward!r}; known: {sorted(known_rewards)}")
+    if r.messages is not None:
+        messages = [m.model_dump(exclude_none=False) for m in r.messages]
+    else:
+        messages = [{"role": "user", "content": r.prompt}]
+    extra: dict[str, Any] = dict(r.model_extra or {})
+    extra.update(r.extra or {})
+    uid = r.uid if r.uid is not None else r.id
+    sample = Sample(
+        uid=str(uid) if uid is not None else default_uid,
+        messages=messages,
+        tools=r.tools,
+        ground_truth=r.ground_truth,
+        reward=r.reward,
+        extra=extra,
+    )
+    if r.agent is not None:
+        sample.agent = r.agent
+    return sample
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"not UTF-8 ({e.reason} at byte {e.start})"
+                continue
+            if not text.strip():
+                continue  # blank lines (e.g. a trailing newline) are not rows
+            try:
+                yield lineno, json.loads(text), None
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"invalid JSON: {e.msg} at column {e.colno}"
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-parquet bytes
+        raise DatasetError(f"{path}: cannot read as Parquet: {e}") from e
+    lineno = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            lineno += 1
+            # Parquet has no "absent" key: a null column value means the field was not given.
+            yield lineno, {k: v for k, v in row.items() if v is not None}, None
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line or row number, decoded row or None, decode problem or None) for every row of a file."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"{p}: no such dataset file")
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return _jsonl_rows(p)
+    if suffix in (".parquet", ".pq"):
+        return _parquet_rows(p)
+    raise DatasetError(f"{p}: unknown dataset format {suffix!r}; use .jsonl or .parquet")
+
+
+def load_dataset(
+    path: str | Path,
+    *,
+    on_bad_row: OnBadRow = "skip",
+    limit: int | None = None,
+    known_agents: Iterable[str] | None = None,
+    known_rewards: Iterable[str] | None = None,
+) -> Dataset:
+    """Read every row of `path` (stopping after `limit` good rows, if given).
+
+    Bad rows are collected in `Dataset.bad_rows` (skip) or raise `DatasetError` (stop). Duplicate
+    uids are bad rows too: the uid names a prompt group, two groups must not share one.
+    """
+    if on_bad_row not in ("skip", "stop"):
+        raise ValueError(f"on_bad_row must be 'skip' or 'stop', not {on_bad_row!r}")
+    agents = set(known_agents) if known_agents is not None else None
+    rewards = set(known_rewards) if known_rewards is not None else None
+    ds = Dataset(path=str(path))
+    seen: dict[str, int] = {}
+    stem = Path(path).stem
+    for lineno, row, problem in iter_rows(path):
+        if limit is not None and len(ds.samples) >= limit:
+            break
+        sample = None
+        if problem is None:
+            try:
+                sample = row_to_sample(row, default_uid=f"{stem}-{lineno}", known_agents=agents, known_rewards=rewards)
+            except ValueError as e:
+                problem = str(e)
+        if sample is not None and sample.uid in seen:
+            problem = f"uid {sample.uid!r} already used on line {seen[sample.uid]}"
+            sample = None
+        if sample is None:
+            bad = BadRow(str(path), lineno, problem or "unusable row")
+            if on_bad_row == "stop":
+                raise DatasetError(f"bad row {bad} (on_bad_row=stop)")
+            ds.bad_rows.append(bad)
+            continue
+        seen[sample.uid] = lineno
+        ds.samples.append(sample)
+    if not ds.samples:
+        detail = f" ({len(ds.bad_rows)} bad rows, first: {ds.bad_rows[0]})" if ds.bad_rows else ""
+        raise DatasetError(f"{path}: no usable rows{detail}")
+    return ds

@@ -1,0 +1,43 @@
+"""timeline.png: a real PNG with one panel per step, trajectories as rows, lifecycle stages as bands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentloop.timeline import StepTimeline, plot_timeline
+
+from test_output import RECORDS, make_traj
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_two_step_timeline_png(tmp_path: Path) -> None:
+    step1 = [make_traj(f"a#{i}", t0=100.0 + 0.05 * i) for i in range(6)]
+    step1[2].status = "failed"
+    step2 = [make_traj(f"b#{i}", t0=300.0 + 0.05 * i) for i in range(6)]
+    rec2 = [type(r)(r.phase, r.stage, r.start + 200, r.end + 200) for r in RECORDS]
+    one = plot_timeline([StepTimeline(1, step1, RECORDS)], tmp_path / "one.png")
+    two = plot_timeline([StepTimeline(1, step1, RECORDS), StepTimeline(2, step2, rec2)], tmp_path / "two.png")
+    w1, h1 = png_size(one)
+    w2, h2 = png_size(two)
+    assert w1 == w2 and h2 > h1  # a second panel below the first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.png", "two.png"]  # no temp files left
+
+
+def test_timeline_draws_many_rows_and_empty_steps(tmp_path: Path) -> None:
+    many = [make_traj(f"u{i}#0", t0=10.0 + 0.01 * i) for i in range(300)]
+    png_size(plot_timeline([StepTimeline(1, many, []), StepTimeline(2, [], RECORDS)], tmp_path / "t.png"))
+
+
+def test_timeline_needs_a_step(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        plot_timeline([], tmp_path / "t.png")
