@@ -1,0 +1,151 @@
+"""The `tool` agent loop: generate → parse tool calls → run tools → append results → repeat.
+
+Ends when a turn has no tool call (then the optional simulated user, `ctx.interaction`, may add a
+user turn and the loop goes on), when `max_assistant_turns` / `max_user_turns` is reached, or when the
+token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
+it), aborted (the engine aborted a turn — partial rollout resumes it from `sample.resume_from`),
+failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
+and exceptions inside tools reach the model as tool results (the registry makes them), counted in
+`metrics["tool_errors"]`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+
+from ..tools import ToolCall, ToolContext, ToolResult, get_parser
+from ..types import Sample, Trajectory
+from .base import AgentContext, AgentLoop, register_agent
+from .episode import BudgetSpent, Episode
+from .interaction import ask_user
+
+
+@register_agent
+class ToolAgent(AgentLoop):
+    name = "tool"
+
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
+        tools = sample.tools if sample.tools is not None else (ctx.tools.schemas() if ctx.tools is not None else None)
+        try:
+            ep = Episode.start(sample, ctx, tools=tools)
+        except Exception as e:  # bad prompt or template: this sample fails, the step goes on
+            return Episode.failed_before_start(sample, ctx, e)
+        tool_ctx = ToolContext(trajectory_id=sample.uid, extra={"ground_truth": sample.ground_truth, **sample.extra})
+        try:
+            if ctx.tools is not None:
+                async with ctx.tools.trajectory(tool_ctx):
+                    await self._loop(ep, tool_ctx)
+            else:
+                await self._loop(ep, tool_ctx)
+        except BudgetSpent as b:
+            ep.finish("truncated", b.reason)
+        except Exception as e:
+            ep.fail(e)
+        return ep.trajectory()
+
+    async def _loop(self, ep: Episode, tool_ctx: ToolContext) -> None:
+        cfg = ep.config
+        parser = get_parser(cfg.tool_parser)
+        assert ep.buffer is not None
+        while True:
+            out = await ep.generate()
+            if out.aborted:
+                ep.finish("aborted", "abort")
+                return
+            content, calls = parser.parse(ep.turn_text())
+            ep.buffer.add_display_message(_assistant_message(content, calls), replace_last=_continues(ep))
+            if calls:
+                if ep.assistant_turns >= cfg.max_assistant_turns:
+                    ep.finish("truncated", "max_assistant_turns")
+                    return
+                results = await self._run_tools(ep, calls, tool_ctx)
+                ep.append_messages([_tool_message(r) for r in results])
+                continue
+            if out.finish_type == "length":
+                ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
+                return
+            if ep.ctx.interaction is None:
+                ep.finish("completed", "stop")
+                return
+            if ep.user_turns >= cfg.max_user_turns:
+                ep.finish("truncated", "max_user_turns")
+                return
+            if ep.assistant_turns >= cfg.max_assistant_turns:
+                ep.finish("truncated", "max_assistant_turns")
+                return
+            t0 = ep.clock()
+            reply = await ask_user(
+                ep.ctx.interaction, ep.buffer.messages, ep.sample,
+                timeout=float(cfg.extra.get("interaction_timeout", 60.0)),
+            )
+            ep.event("user", t0, ep.clock())
+            if reply is None:
+                ep.finish("completed", "stop")
+                return
+            ep.user_turns += 1
+            ep.append_messages([reply])
+
+    async def _run_tools(self, ep: Episode, calls: list[ToolCall], tool_ctx: ToolContext) -> list[ToolResult]:
+        cfg = ep.config
+        t0 = ep.clock()
+        if ep.ctx.tools is None:
+            results = [
+                ToolResult(i, c.name, "Error: no tools are available in this conversation", ok=False,
+                           error_kind="unknown_tool", call_id=c.id)
+                for i, c in enumerate(calls)
+            ]
+        else:
+            # The registry times out each call; this outer bound (all waves plus slack) keeps a
+            # misbehaving tool from holding the trajectory even if it ignores cancellation.
+            waves = math.ceil(len(calls) / max(1, cfg.max_parallel_calls))
+            with anyio.fail_after(cfg.tool_timeout * waves + 5.0):
+                results = await ep.ctx.tools.execute_calls(
+                    calls, context=tool_ctx, timeout=cfg.tool_timeout, max_parallel=cfg.max_parallel_calls,
+                    tokenizer=ep.ctx.tokenizer, max_result_tokens=cfg.max_tool_response_tokens,
+                    truncate_side=cfg.tool_response_truncate_side,  # type: ignore[arg-type]
+                )
+        t1 = ep.clock()
+        ep.event("tool", t0, t1)
+        ep.tool_calls += len(calls)
+        ep.metrics["tool_seconds"] += t1 - t0
+        ep.metrics["tool_errors"] += sum(1 for r in results if not r.ok)
+        # Which calls of which assistant turn succeeded, for per-turn rewards and analysis.
+        ep.extra.setdefault("tool_results", []).append(
+            {"turn": ep.assistant_turns, "ok": [r.ok for r in results], "error_kinds": [r.error_kind for r in results]}
+        )
+        ep.metrics["tool_results_truncated"] = ep.metrics.get("tool_results_truncated", 0.0) + sum(
+            1 for r in results if r.truncated
+        )
+        return results
+
+
+def _continues(ep: Episode) -> bool:
+    """True if this turn continued an assistant message begun before (resumed after an abort)."""
+    assert ep.buffer is not None
+    return len(ep.buffer.turns) >= 2 and ep.buffer.turns[-2].start + ep.buffer.turns[-2].length == ep.buffer.turns[-1].start
+
+
+def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments if c.ok else c.raw},
+            }
+            for c in calls
+        ]
+    return msg
+
+
+def _tool_message(r: ToolResult) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "tool", "content": r.content}
+    if r.name:
+        msg["name"] = r.name
+    if r.call_id:
+        msg["tool_call_id"] = r.call_id
+    return msg
