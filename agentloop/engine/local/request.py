@@ -1,0 +1,82 @@
+"""One generation request inside the CPU engine: its inputs, its growing outputs, how it ended.
+
+The scheduler's worker thread is the only writer; it appends a token and its logprob together and
+then calls `notify`, which hands the new output length to the server's event loop (thread-safe).
+Readers take `snapshot(n)` with the count they were told, so they never see a token without its
+logprob. `error` (status, message) is set when a request is refused or fails inside the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .sampling import RequestSampling
+
+#: Called from the worker thread after each change: (output length so far, finished?).
+Notifier = Callable[[int, bool], None]
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    sampling: RequestSampling
+    generator: torch.Generator
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    #: max_new_tokens clipped so prompt + output fits the context length.
+    max_new_tokens: int = 128
+    notifier: Notifier | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    finish_reason: dict[str, Any] | None = None
+    error: tuple[int, str] | None = None
+    weight_version: str = "default"
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    num_retractions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def append(self, token_id: int, logprob: float, top: list[tuple[float, int]] | None) -> None:
+        self.output_logprobs.append(logprob)
+        if self.top_logprobs_num > 0:
+            self.output_top_logprobs.append(top or [])
+        # ids last: a reader that sees n ids also sees n logprobs.
+        self.output_ids.append(token_id)
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        if self.finished:
+            return
+        self.finish_reason = reason
+        self.finished_at = time.monotonic()
+        self.notify()
+
+    def fail(self, status: int, message: str) -> None:
+        if self.finished:
+            return
+        self.error = (status, message)
+        self.finished_at = time.monotonic()
+        self.notify()
+
+    def notify(self) -> None:
+        if self.notifier is not None:
+            self.notifier(len(self.output_ids), self.finished)
+
+    def e2e_latency(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        return end - self.created

@@ -1,0 +1,310 @@
+"""Continuous batching for the CPU engine: the worker thread that admits, prefills and decodes.
+
+Why not transformers' own continuous batching? `ContinuousBatchingManager` / `generate_batch`
+(transformers 5.24, paged attention) was evaluated first. It batches well, but it lacks what an RL
+rollout engine must have, and patching around it would touch its internals at every point:
+- sampling mode is fixed per manager by one `GenerationConfig` (`do_sample`), so greedy and sampled
+  requests cannot share a batch, and there are no per-request seeds (one global `torch.multinomial`);
+- its logprobs are `log(probs)` of the *processed* distribution (after top-k/top-p masking), not
+  SGLang's temperature-scaled, untruncated logprob of the sampled token;
+- its paged KV cache is allocated once when the manager starts; there is no way to release and
+  re-allocate it (or the weights) while the process keeps serving, nor to retract requests;
+- no per-request stop-token sets, `ignore_eos`, `min_new_tokens`, or pause with abort/retract/in-place.
+It does have cancellation, which we would have kept. So this module is a small loop of our own
+(nano-vllm sized), built on transformers' model forward and `DynamicCache`:
+
+Each iteration of the worker thread: run queued control commands (submit, abort, pause, memory,
+weight updates — they all execute here, between forward passes, so they never race a forward);
+then, unless paused or memory is released, admit waiting requests up to `max_running_requests`
+(each is prefilled alone and samples its first token), and run ONE decode step for every running
+request together (`ModelRunner.decode` over the left-padded `BatchKV`). New requests therefore
+join the next decode step of a batch already in flight — continuous batching — and throughput
+rises with concurrency because a decode step costs about the same for 1 or 16 rows on this scale.
+
+Pause modes follow SGLang: `abort` finishes every queued and running request as aborted; `retract`
+drops running requests' KV and puts them back at the head of the queue (re-prefilled from prompt +
+tokens so far on continue); `in_place` just stops stepping. Requests arriving while paused are
+held outside the scheduler (like SGLang's tokenizer manager does), so the scheduler can be idle for
+flush/release while they wait for `continue_generation`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from .kv_cache import BatchKV
+from .memory import MemoryManager
+from .model_runner import ModelRunner
+from .request import Request
+from .sampling import sample_next
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class SchedulerStats:
+    """Counters exposed in /server_info (tests use max_batch_size_seen to prove batching)."""
+
+    max_batch_size_seen: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefills: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    retracted_requests: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["mean_decode_batch_size"] = round(self.decode_rows / self.decode_steps, 3) if self.decode_steps else 0.0
+        return d
+
+
+class Scheduler:
+    """Owns the request queues, the running batch and its KV cache, and the worker thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        memory: MemoryManager,
+        *,
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        original_logprob: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.memory = memory
+        self.max_running_requests = max_running_requests
+        self.context_length = context_length or runner.context_length
+        self.original_logprob = original_logprob
+        self.weight_version = "default"
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: deque[Request] = deque()  # arrived while paused
+        self.kv = BatchKV()
+        self.paused = False
+        self.stats = SchedulerStats()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="agentloop-cpu-engine", daemon=True)
+
+    # ---- thread-safe entry points ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
+        """Run `fn` on the worker thread between forward passes; returns a Future of its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    # ---- called on the worker thread (through `call`) ------------------------------------
+    def submit(self, req: Request) -> None:
+        block = self.memory.generation_block_reason()
+        if block is not None:
+            req.fail(503, block)
+            return
+        req.weight_version = self.weight_version
+        if self.paused:
+            self.held.append(req)
+        else:
+            self.waiting.append(req)
+
+    def find(self, rid: str) -> Request | None:
+        for r in (*self.running, *self.waiting, *self.held):
+            if r.rid == rid:
+                return r
+        return None
+
+    def abort(self, rid: str | None = None, message: str = "Aborted") -> int:
+        """Abort one request by rid, or all when rid is None. Returns how many were aborted."""
+        victims = [r for r in (*self.running, *self.waiting, *self.held) if rid is None or r.rid == rid]
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": message})
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        self.held = deque(r for r in self.held if not r.finished)
+        self._drop_finished_rows()
+        self.stats.aborted_requests += len(victims)
+        return len(victims)
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self.paused = True
+        if mode == "abort":
+            self.abort(None)
+        elif mode == "retract":
+            self.retract_all()
+
+    def resume_generation(self) -> None:
+        self.paused = False
+        while self.held:
+            self.submit(self.held.popleft())
+
+    def retract_all(self) -> None:
+        """Drop running requests' KV; requeue them first in line, generated tokens kept."""
+        for r in reversed(self.running):
+            r.num_retractions += 1
+            self.waiting.appendleft(r)
+        self.stats.retracted_requests += len(self.running)
+        self.running = []
+        self.kv.clear()
+
+    def busy(self) -> bool:
+        """Requests the scheduler owns (running or queued); held ones are not the scheduler's yet."""
+        return bool(self.running or self.waiting)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._run_commands()
+            if self._can_step():
+                try:
+                    self._step()
+                except Exception as e:  # a failed forward must not kill the server
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    for r in self.running:
+                        r.fail(500, f"engine step failed: {type(e).__name__}: {e}")
+                    self.running = []
+                    self.kv.clear()
+            else:
+                self._wake.wait(0.5)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+
+    def _can_step(self) -> bool:
+        if self.paused or self.memory.generation_block_reason() is not None:
+            return False
+        return bool(self.running or self.waiting)
+
+    def _step(self) -> None:
+        self._admit()
+        if not self.running:
+            return
+        rows = self.running
+        logits = self.runner.decode(self.kv, [r.output_ids[-1] for r in rows])
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(rows)
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(rows))
+        self._sample_into(rows, logits)
+        self._drop_finished_rows()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running_requests:
+            req = self.waiting.popleft()
+            if req.finished:
+                continue
+            want_input_lp = req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
+            fed = req.all_tokens  # prompt, plus tokens generated before a retraction
+            logits, cache = self.runner.prefill(fed, all_logits=want_input_lp)
+            self.stats.prefills += 1
+            if want_input_lp:
+                self._input_logprobs(req, logits)
+                logits = logits[-1]
+            if req.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): SGLang returns no tokens
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            self._sample_into([req], logits.unsqueeze(0))
+            if not req.finished:
+                # The cache covers `fed`; the token just sampled is fed by the next decode step.
+                self.running.append(req)
+                self.kv.add(cache, len(fed))
+
+    def _sample_into(self, rows: list[Request], logits: Any) -> None:
+        banned = [self._banned(r) for r in rows]
+        samples = sample_next(
+            logits,
+            [r.sampling for r in rows],
+            [r.generator for r in rows],
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in rows],
+            banned=banned,
+            original_logprob=self.original_logprob,
+        )
+        for r, s in zip(rows, samples):
+            r.append(s.token_id, s.logprob, s.top)
+            self.stats.generated_tokens += 1
+            reason = self._finish_reason(r)
+            if reason is not None:
+                self._finish(r, reason)
+            else:
+                r.notify()
+
+    def _banned(self, r: Request) -> list[int]:
+        if len(r.output_ids) >= r.sampling.min_new_tokens:
+            return []
+        eos = [] if r.sampling.ignore_eos else self.runner.eos_token_ids
+        return [*eos, *r.sampling.stop_token_ids]
+
+    def _finish_reason(self, r: Request) -> dict[str, Any] | None:
+        # Same order as SGLang's Req.check_finished: length first, then stop tokens / EOS.
+        if len(r.output_ids) >= r.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        last = r.output_ids[-1]
+        if last in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and last in self.runner.eos_token_ids):
+            return {"type": "stop", "matched": last}
+        return None
+
+    def _finish(self, r: Request, reason: dict[str, Any]) -> None:
+        r.weight_version = self.weight_version
+        r.finish(reason)
+        self.stats.finished_requests += 1
+
+    def _drop_finished_rows(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        if len(keep) != len(self.running):
+            self.running = [self.running[i] for i in keep]
+            self.kv.keep(keep)
+
+    def _input_logprobs(self, req: Request, logits: Any) -> None:
+        import torch
+
+        temp = 1.0 if (req.sampling.greedy or self.original_logprob) else req.sampling.temperature
+        lps = torch.log_softmax(logits[:-1] / temp, dim=-1)  # row j predicts token j+1
+        ids = req.input_ids
+        start = req.logprob_start_len
+        values: list[float | None] = []
+        tops: list[list[tuple[float, int]] | None] = []
+        for j in range(start, len(ids)):
+            if j == 0:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(float(lps[j - 1, ids[j]].item()))
+            if req.top_logprobs_num > 0:
+                v, i = lps[j - 1].topk(min(req.top_logprobs_num, lps.shape[-1]))
+                tops.append(list(zip(v.tolist(), i.tolist())))
+        req.input_token_logprobs = values
+        req.input_top_logprobs = tops if req.top_logprobs_num > 0 else None
