@@ -1,0 +1,289 @@
+"""The `python` tool: runs model-written code in a separate, limited interpreter and returns its output.
+
+Each call gets a fresh scratch directory (cwd, HOME and TMPDIR of the child; deleted afterwards) and a
+child `python -I -S -B` started without blocking the event loop (anyio subprocess). What is enforced:
+- CPU time (RLIMIT_CPU: SIGXCPU, then SIGKILL one second later), memory (RLIMIT_AS), file size
+  (RLIMIT_FSIZE), open files, no core dumps; processes (RLIMIT_NPROC) where the kernel applies it
+  (not to root, which has CAP_SYS_RESOURCE) — fork/exec/spawn are refused by the audit hook regardless;
+- no network: a new network namespace (`unshare -n`, with a user namespace `-r` when not root) when
+  `unshare` works on this host, and in every case an audit hook that refuses every socket operation
+  and the import of socket/ssl;
+- no writes outside the scratch directory: the audit hook refuses opening for writing and path-changing
+  os calls outside it (see `_sandbox_boot.py` for the full list); when the worker runs as root and an
+  unprivileged uid can run the interpreter, the child also drops to that uid (`nobody`);
+- a wall-clock timeout after which the child's whole process group is killed (also on cancellation);
+- stdout and stderr are captured up to a byte cap each (the rest is drained and counted, so a chatty
+  child cannot block on a full pipe), decoded leniently, and returned with the exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..base import Tool, ToolContext, ToolError
+
+__all__ = ["PythonTool", "SandboxOutput", "sandbox_capabilities"]
+
+_BOOT = Path(__file__).with_name("_sandbox_boot.py")
+BLOCKED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "_posixsubprocess", "gc",
+                   "_xxsubinterpreters", "_testcapi", "_testinternalcapi", "faulthandler")
+NOBODY = 65534
+
+
+@dataclass
+class SandboxOutput:
+    stdout: str
+    stderr: str
+    returncode: int | None
+    seconds: float
+    timed_out: bool
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class _Caps:
+    unshare_prefix: tuple[str, ...]  # command prefix for a new network namespace, () if unavailable
+    drop_uid: int | None  # uid to drop to (root only), None to stay
+
+
+_caps_cache: dict[tuple[str, bool], _Caps] = {}
+_caps_lock: anyio.Lock | None = None
+
+
+async def _works(cmd: list[str], **kw: Any) -> bool:
+    try:
+        with anyio.fail_after(10):
+            r = await anyio.run_process(cmd, check=False, stdin=None, **kw)
+        return r.returncode == 0
+    except (OSError, TimeoutError):
+        return False
+
+
+async def sandbox_capabilities(python: str = sys.executable, use_namespaces: bool = True) -> _Caps:
+    """Probe once per process what this host allows: `unshare` for a network namespace, and (as root)
+    whether `nobody` can run the interpreter."""
+    global _caps_lock
+    key = (python, use_namespaces)
+    if key in _caps_cache:
+        return _caps_cache[key]
+    if _caps_lock is None:
+        _caps_lock = anyio.Lock()
+    async with _caps_lock:
+        if key in _caps_cache:
+            return _caps_cache[key]
+        root = hasattr(os, "geteuid") and os.geteuid() == 0
+        drop = None
+        if root and await _works([python, "-I", "-S", "-B", "-c", "import json, resource, os"], user=NOBODY, group=NOBODY,
+                                 extra_groups=[], cwd="/"):
+            drop = NOBODY
+        prefix: tuple[str, ...] = ()
+        unshare = shutil.which("unshare")
+        if use_namespaces and unshare:
+            # As root and dropping privileges, a plain net namespace (the uid drop happens inside);
+            # otherwise a user namespace lets an unprivileged user create one (and sheds root's caps).
+            candidates = [(unshare, "-n")] if drop is not None else [(unshare, "-r", "-n"), (unshare, "-n")]
+            for c in candidates:
+                if await _works([*c, python, "-I", "-S", "-c", "pass"]):
+                    prefix = c
+                    break
+        caps = _Caps(prefix, drop)
+        _caps_cache[key] = caps
+        return caps
+
+
+async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes]) -> int:
+    """Read all of `stream`, keep the first `cap` bytes in `sink`, return how many bytes were dropped."""
+    if stream is None:
+        return 0
+    kept = dropped = 0
+    async for chunk in stream:
+        room = cap - kept
+        if room > 0:
+            sink.append(chunk[:room])
+            kept += min(room, len(chunk))
+        dropped += max(0, len(chunk) - max(room, 0))
+    return dropped
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class PythonTool(Tool):
+    """Run Python code (argument `code`) in a sandboxed subprocess; returns what it printed."""
+
+    name = "python"
+    description = (
+        "Run a Python 3 program and return what it prints (stdout, then stderr). Only the standard "
+        "library is available; no network, no subprocesses; files may be written in the current directory only. "
+        "Use print() to show results."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The Python source code to run."}},
+        "required": ["code"],
+    }
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 10.0,
+        cpu_seconds: int = 5,
+        memory_mb: int = 512,
+        max_processes: int | None = 16,
+        max_file_mb: int = 16,
+        open_files: int = 64,
+        max_output_bytes: int = 64 * 1024,
+        scratch_root: str | None = None,
+        use_namespaces: bool = True,
+        python: str | None = None,
+        allow_site_packages: bool = False,
+        extra_blocked_imports: list[str] | None = None,
+    ) -> None:
+        if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0:
+            raise ValueError("timeout, cpu_seconds and memory_mb must be positive")
+        self.timeout = float(timeout)
+        self.cpu_seconds = int(cpu_seconds)
+        self.memory_mb = int(memory_mb)
+        self.max_processes = max_processes
+        self.max_file_mb = int(max_file_mb)
+        self.open_files = int(open_files)
+        self.max_output_bytes = int(max_output_bytes)
+        self.scratch_root = scratch_root
+        self.use_namespaces = use_namespaces
+        self.python = python or sys.executable
+        self.allow_site_packages = allow_site_packages
+        self.blocked_imports = sorted(set(BLOCKED_IMPORTS) | set(extra_blocked_imports or ()))
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            raise ToolError("argument 'code' must be a string of Python source")
+        out = await self.run_code(code, scratch_parent=context.scratch_dir)
+        return self.format(out)
+
+    def format(self, out: SandboxOutput) -> str:
+        parts: list[str] = []
+        if out.stdout:
+            parts.append(out.stdout.rstrip("\n"))
+        if out.stdout_dropped:
+            parts.append(f"...(stdout truncated: {out.stdout_dropped} more bytes)")
+        if out.stderr:
+            parts.append(out.stderr.rstrip("\n"))
+        if out.stderr_dropped:
+            parts.append(f"...(stderr truncated: {out.stderr_dropped} more bytes)")
+        text = "\n".join(parts)
+        problem = None
+        rc = out.returncode
+        if out.timed_out:
+            problem = f"timed out after {self.timeout:g} seconds (wall clock); the process was killed"
+        elif rc is not None and rc < 0:
+            sig = -rc
+            if sig in (signal.SIGXCPU, signal.SIGKILL):
+                problem = f"killed: CPU time limit of {self.cpu_seconds} seconds exceeded" if sig == signal.SIGXCPU or out.seconds < self.timeout else f"killed by signal {signal.Signals(sig).name}"
+            else:
+                problem = f"killed by signal {signal.Signals(sig).name}" if sig in signal.Signals._value2member_map_ else f"killed by signal {sig}"
+        elif rc:
+            if "MemoryError" in out.stderr:
+                text += f"\n(memory limit of {self.memory_mb} MiB exceeded)"
+            text += f"\n(exit status {rc})"
+        if problem is not None:
+            raise ToolError(problem + (":\n" + text if text else ""))
+        return text if text.strip() else "(no output)"
+
+    async def run_code(self, code: str, *, scratch_parent: Path | str | None = None) -> SandboxOutput:
+        """Run `code` in a fresh scratch directory and return what happened (never raises for the code's
+        own failures; raises OSError if the interpreter cannot be started)."""
+        caps = await sandbox_capabilities(self.python, self.use_namespaces)
+        parent = str(scratch_parent) if scratch_parent is not None else self.scratch_root
+        scratch = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="agentloop-py-", dir=parent))
+        try:
+            if caps.drop_uid is not None:
+                os.chown(scratch, caps.drop_uid, caps.drop_uid)
+            return await self._run_in(code, scratch, caps)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
+
+    async def _run_in(self, code: str, scratch: str, caps: _Caps) -> SandboxOutput:
+        cfg = {
+            "scratch": scratch,
+            "cpu_seconds": self.cpu_seconds,
+            "memory_bytes": self.memory_mb * 1024 * 1024,
+            "file_bytes": self.max_file_mb * 1024 * 1024,
+            "open_files": self.open_files,
+            "max_processes": self.max_processes,
+            "uid": caps.drop_uid,
+            "gid": caps.drop_uid,
+            "blocked_imports": self.blocked_imports,
+        }
+        flags = ["-I", "-B"] + ([] if self.allow_site_packages else ["-S"])
+        cmd = [*caps.unshare_prefix, self.python, *flags, str(_BOOT), json.dumps(cfg)]
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": scratch,
+            "TMPDIR": scratch,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        out_chunks: list[bytes] = []
+        err_chunks: list[bytes] = []
+        dropped = [0, 0]
+        t0 = time.monotonic()
+        timed_out = False
+        proc = await anyio.open_process(cmd, cwd=scratch, env=env, start_new_session=True)
+        try:
+            with anyio.move_on_after(self.timeout) as scope:
+                async with anyio.create_task_group() as tg:
+
+                    async def feed() -> None:
+                        assert proc.stdin is not None
+                        try:
+                            await proc.stdin.send(code.encode("utf-8", "surrogatepass"))
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                            pass  # the child died before reading its code; its stderr says why
+                        finally:
+                            await proc.stdin.aclose()
+
+                    async def drain(i: int, stream: Any, sink: list[bytes]) -> None:
+                        dropped[i] = await _read_capped(stream, self.max_output_bytes, sink)
+
+                    tg.start_soon(feed)
+                    tg.start_soon(drain, 0, proc.stdout, out_chunks)
+                    tg.start_soon(drain, 1, proc.stderr, err_chunks)
+                    await proc.wait()
+            timed_out = scope.cancelled_caught
+        finally:
+            # Whatever happened (done, timed out, cancelled by the caller), nothing of the child survives.
+            with anyio.CancelScope(shield=True):
+                _kill_group(proc.pid)
+                await proc.wait()
+                await proc.aclose()
+        return SandboxOutput(
+            stdout=b"".join(out_chunks).decode("utf-8", "replace"),
+            stderr=b"".join(err_chunks).decode("utf-8", "replace"),
+            returncode=proc.returncode,
+            seconds=time.monotonic() - t0,
+            timed_out=timed_out,
+            stdout_dropped=dropped[0],
+            stderr_dropped=dropped[1],
+        )

@@ -1,0 +1,151 @@
+"""Tool-call parsers: turn a model turn's text into (content without the calls, the calls).
+
+A parser never raises on model output: a malformed call (bad JSON, no name, an unterminated tag) comes
+back as a `ToolCall` with `error` set, so the agent loop can answer the model with the error as the tool
+result. Formats plug in with `@register_parser("name")`; built-in: `hermes` (alias `qwen`, `qwen25`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["ToolCall", "ToolCallParser", "HermesToolCallParser", "register_parser", "get_parser", "registered_parsers"]
+
+
+@dataclass
+class ToolCall:
+    """One call as the model wrote it. `raw` is the exact text of the call (tags included); when `error`
+    is set, `name` and/or `arguments` may be None."""
+
+    name: str | None
+    arguments: dict[str, Any] | None
+    raw: str
+    error: str | None = None
+    id: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class ToolCallParser(ABC):
+    """Subclass and register with `@register_parser(name)`."""
+
+    name: str = ""
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Return (the text with the calls removed, the calls in order). Never raises on model output."""
+
+
+_PARSERS: dict[str, type[ToolCallParser]] = {}
+
+
+def register_parser(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]]:
+    """Class decorator: `@register_parser("hermes", "qwen")` registers the class under each name."""
+    if not names:
+        raise ValueError("register_parser needs at least one name")
+
+    def deco(cls: type[ToolCallParser]) -> type[ToolCallParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
+            raise TypeError(f"{cls!r} is not a ToolCallParser subclass")
+        for n in names:
+            _PARSERS[n] = cls
+        if not cls.name:
+            cls.name = names[0]
+        return cls
+
+    return deco
+
+
+def get_parser(name: str) -> ToolCallParser:
+    try:
+        return _PARSERS[name]()
+    except KeyError:
+        raise KeyError(f"unknown tool-call parser {name!r}; registered: {sorted(_PARSERS)}") from None
+
+
+def registered_parsers() -> list[str]:
+    return sorted(_PARSERS)
+
+
+def _normalize_call(obj: Any) -> tuple[str | None, dict[str, Any] | None, str | None]:
+    """(name, arguments, error) from a decoded `{"name": ..., "arguments": ...}` object."""
+    if not isinstance(obj, dict):
+        return None, None, f"a tool call must be a JSON object, got {type(obj).__name__}"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None, None, 'tool call has no "name" (a non-empty string)'
+    # "parameters" is what some Hermes fine-tunes write; absent arguments mean a call without arguments.
+    args: Any = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return name, None, f'"arguments" of {name!r} is a string that is not valid JSON: {e}'
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return name, None, f'"arguments" of {name!r} must be a JSON object, got {type(args).__name__}'
+    return name, args, None
+
+
+@register_parser("hermes", "qwen", "qwen25")
+class HermesToolCallParser(ToolCallParser):
+    """Hermes / Qwen2.5 / Qwen3 format: each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+    several per turn allowed. The JSON is decoded with a real JSON decoder rather than a regex, so a
+    string argument may itself contain `</tool_call>`."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._decoder = json.JSONDecoder()
+        self._ws = re.compile(r"\s*")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        content: list[str] = []
+        pos = 0
+        while True:
+            start = text.find(self.open_tag, pos)
+            if start < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:start])
+            call, pos = self._parse_one(text, start)
+            calls.append(call)
+        return "".join(content).strip(), calls
+
+    def _parse_one(self, text: str, start: int) -> tuple[ToolCall, int]:
+        body = start + len(self.open_tag)
+        j = self._ws.match(text, body).end()  # type: ignore[union-attr]
+        try:
+            obj, end = self._decoder.raw_decode(text, j)
+        except json.JSONDecodeError as e:
+            close = text.find(self.close_tag, body)
+            if close < 0:
+                return ToolCall(None, None, text[start:], f"unterminated {self.open_tag} (no {self.close_tag}); invalid JSON: {e.msg}"), len(text)
+            end = close + len(self.close_tag)
+            return ToolCall(None, None, text[start:end], f"invalid JSON in tool call: {e.msg} at char {e.pos - j}"), end
+        k = self._ws.match(text, end).end()  # type: ignore[union-attr]
+        if not text.startswith(self.close_tag, k):
+            close = text.find(self.close_tag, k)
+            if close < 0:
+                name, args, err = _normalize_call(obj)
+                msg = f"unterminated {self.open_tag} (no {self.close_tag})"
+                return ToolCall(name, args, text[start:], msg if err is None else f"{msg}; {err}"), len(text)
+            end = close + len(self.close_tag)
+            return ToolCall(None, None, text[start:end], f"unexpected text after the JSON object in tool call: {text[k:close][:80]!r}"), end
+        end = k + len(self.close_tag)
+        name, args, err = _normalize_call(obj)
+        return ToolCall(name, args, text[start:end], err), end
+
+
+def format_hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    """Render one call the way Hermes/Qwen chat templates do (used by tests and replay specs)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"

@@ -1,0 +1,309 @@
+"""The per-worker tool registry: builds tools once (from objects or a verl-like YAML config), hands their
+schemas to chat templates, and executes one turn's calls with timeouts, bounded parallelism and
+argument validation, always returning one `ToolResult` per call in call order.
+
+Nothing a model writes can make `execute_calls` raise: parse errors, unknown tools, arguments that do
+not match the tool's JSON schema, timeouts and exceptions inside tools all become results with
+`ok=False` and an error message written for the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+
+import anyio
+import jsonschema
+import yaml
+
+from .base import Tool, ToolContext, ToolError, ToolResult
+from .parsers import ToolCall
+from .truncate import SIDES, Side, truncate_by_tokens
+
+__all__ = ["ToolRegistry", "ToolConfigError", "load_tool_class"]
+
+
+class ToolConfigError(ValueError):
+    """A tool config entry is wrong; the message names the entry (`tools[i]`) and the field."""
+
+
+def load_tool_class(path: str) -> type[Tool]:
+    """Import `package.module.ClassName` and check it is a `Tool` subclass."""
+    module_name, _, cls_name = path.rpartition(".")
+    if not module_name:
+        raise ImportError(f"{path!r} is not a dotted path 'package.module.ClassName'")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, cls_name)
+    except AttributeError:
+        raise ImportError(f"module {module_name!r} has no attribute {cls_name!r}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Tool)):
+        raise TypeError(f"{path} is not a subclass of agentloop.tools.Tool")
+    return cls
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+class ToolRegistry:
+    """Tools by name. Build once per worker; share across trajectories (per-trajectory data lives in the
+    `ToolContext`, see `open_trajectory`)."""
+
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        self._validators: dict[str, Any] = {}
+        for i, tool in enumerate(tools):
+            self.add(tool, where=f"tools[{i}]")
+
+    # ---- building -------------------------------------------------------------------------------
+    def add(self, tool: Tool, *, where: str = "tool") -> None:
+        if not isinstance(tool, Tool):
+            raise ToolConfigError(f"{where}: {tool!r} is not an agentloop.tools.Tool")
+        if not isinstance(tool.name, str) or not tool.name:
+            raise ToolConfigError(f"{where}: {type(tool).__name__} has no name")
+        if tool.name in self._tools:
+            raise ToolConfigError(f"{where}: duplicate tool name {tool.name!r}")
+        params = tool.parameters
+        try:
+            cls = jsonschema.validators.validator_for(params)
+            cls.check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise ToolConfigError(f"{where}: parameters of tool {tool.name!r} are not a valid JSON schema: {e.message}") from None
+        self._tools[tool.name] = tool
+        self._validators[tool.name] = cls(params)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ToolRegistry":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ToolConfigError(f"cannot read tool config {path}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ToolConfigError(f"{path}: not valid YAML: {e}") from None
+        try:
+            return cls.from_config(data)
+        except ToolConfigError as e:
+            raise ToolConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> "ToolRegistry":
+        """`{"tools": [{"class_name": ..., "config": {...}, "tool_schema": {...}}]}` (verl's layout), or the
+        bare list. `tool_schema` (optional) overrides name/description/parameters of the built tool."""
+        if data is None:
+            return cls([])
+        if isinstance(data, Mapping):
+            if "tools" not in data:
+                raise ToolConfigError(f"tool config needs a top-level 'tools' list; got keys {sorted(data)}")
+            entries = data["tools"]
+        else:
+            entries = data
+        if entries is None:
+            entries = []
+        if not isinstance(entries, list):
+            raise ToolConfigError(f"'tools' must be a list, got {type(entries).__name__}")
+        reg = cls([])
+        for i, entry in enumerate(entries):
+            where = f"tools[{i}]"
+            reg.add(_build_entry(entry, where), where=where)
+        return reg
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise KeyError(f"unknown tool {name!r}; registered: {self.names()}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def schemas(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """OpenAI function schemas, for the chat template's `tools=` (all tools, or `names` in order)."""
+        if names is None:
+            return [t.schema for t in self._tools.values()]
+        return [self.get(n).schema for n in names]
+
+    # ---- per-trajectory state -------------------------------------------------------------------
+    async def open_trajectory(self, context: ToolContext) -> None:
+        """Call `create_state` of every stateful tool. If one fails, the ones already created are
+        released and the error (naming the tool) is raised."""
+        opened: list[Tool] = []
+        for tool in self._tools.values():
+            if not tool.has_state():
+                continue
+            try:
+                await tool.create_state(context)
+            except Exception as e:
+                await self._release(opened, context)
+                raise RuntimeError(f"tool {tool.name!r}: create_state failed for trajectory {context.trajectory_id}: {_first_line(e)}") from e
+            opened.append(tool)
+
+    async def close_trajectory(self, context: ToolContext) -> None:
+        """Call `release_state` of every stateful tool (all of them, even if one fails; shielded from
+        cancellation so a cancelled trajectory still cleans up). Raises the first failure afterwards."""
+        await self._release([t for t in self._tools.values() if t.has_state()], context)
+
+    async def _release(self, tools: list[Tool], context: ToolContext) -> None:
+        errors: list[str] = []
+        with anyio.CancelScope(shield=True):
+            for tool in tools:
+                try:
+                    await tool.release_state(context)
+                except Exception as e:
+                    errors.append(f"tool {tool.name!r}: release_state failed: {_first_line(e)}")
+        if errors:
+            raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
+
+    @asynccontextmanager
+    async def trajectory(self, context: ToolContext) -> AsyncIterator[ToolContext]:
+        """`async with registry.trajectory(ctx):` = open_trajectory … close_trajectory."""
+        await self.open_trajectory(context)
+        try:
+            yield context
+        finally:
+            await self.close_trajectory(context)
+
+    # ---- execution ------------------------------------------------------------------------------
+    def check_call(self, call: ToolCall) -> tuple[str, str] | None:
+        """(error_kind, message for the model) if the call cannot run, else None."""
+        if call.error is not None:
+            return "parse", f"Error: could not parse tool call: {call.error}"
+        if call.name not in self._tools:
+            avail = ", ".join(self._tools) or "(none)"
+            return "unknown_tool", f"Error: unknown tool {call.name!r}; available: {avail}"
+        args = call.arguments if call.arguments is not None else {}
+        errors = sorted(self._validators[call.name].iter_errors(args), key=lambda e: list(e.absolute_path))
+        if errors:
+            msgs = []
+            for e in errors[:3]:
+                loc = "/".join(str(p) for p in e.absolute_path)
+                msgs.append(f"{loc}: {e.message}" if loc else e.message)
+            return "bad_arguments", f"Error: invalid arguments for tool {call.name!r}: " + "; ".join(msgs)
+        return None
+
+    async def execute_calls(
+        self,
+        calls: Sequence[ToolCall],
+        *,
+        context: ToolContext,
+        timeout: float,
+        max_parallel: int,
+        tokenizer: Any = None,
+        max_result_tokens: int | None = None,
+        truncate_side: Side = "middle",
+    ) -> list[ToolResult]:
+        """Run one turn's calls, at most `max_parallel` at once, each under `timeout` seconds; return
+        their results in call order. With `tokenizer` and `max_result_tokens`, each result's text is
+        truncated by tokens on `truncate_side` (result.truncated says so)."""
+        if max_parallel < 1:
+            raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
+        if not (timeout > 0):
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if truncate_side not in SIDES:
+            raise ValueError(f"truncate_side must be one of {SIDES}, got {truncate_side!r}")
+        results: list[ToolResult | None] = [None] * len(calls)
+        limiter = anyio.CapacityLimiter(max_parallel)
+
+        async def run_one(i: int, call: ToolCall) -> None:
+            async with limiter:
+                res = await self._execute_one(i, call, context, timeout)
+            if tokenizer is not None and max_result_tokens is not None:
+                text, cut = truncate_by_tokens(res.content, tokenizer, max_result_tokens, truncate_side)
+                res.content, res.truncated = text, res.truncated or cut
+            results[i] = res
+
+        async with anyio.create_task_group() as tg:
+            for i, call in enumerate(calls):
+                tg.start_soon(run_one, i, call)
+        return [r for r in results if r is not None]
+
+    async def _execute_one(self, index: int, call: ToolCall, context: ToolContext, timeout: float) -> ToolResult:
+        problem = self.check_call(call)
+        if problem is not None:
+            kind, msg = problem
+            return ToolResult(index, call.name, msg, ok=False, error_kind=kind, call_id=call.id)  # type: ignore[arg-type]
+        tool = self._tools[call.name]  # type: ignore[index]
+        t0 = time.monotonic()
+        scope = anyio.fail_after(timeout)
+        try:
+            with scope:
+                out = await tool.execute(dict(call.arguments or {}), context)
+        except TimeoutError as e:
+            if scope.cancelled_caught:
+                return ToolResult(index, call.name, f"Error: tool {call.name!r} timed out after {timeout:g} seconds", ok=False,
+                                  error_kind="timeout", seconds=time.monotonic() - t0, call_id=call.id)
+            return ToolResult(index, call.name, f"Error: TimeoutError: {_first_line(e)}", ok=False,
+                              error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
+        except ToolError as e:
+            return ToolResult(index, call.name, f"Error: {e}", ok=False, error_kind="exception",
+                              seconds=time.monotonic() - t0, call_id=call.id)
+        except Exception as e:  # a tool bug or a failing call: the model gets the message, the trajectory goes on
+            return ToolResult(index, call.name, f"Error: {type(e).__name__}: {_first_line(e)}", ok=False,
+                              error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
+        if not isinstance(out, str):
+            out = str(out)
+        return ToolResult(index, call.name, out, seconds=time.monotonic() - t0, call_id=call.id)
+
+
+def _build_entry(entry: Any, where: str) -> Tool:
+    if not isinstance(entry, Mapping):
+        raise ToolConfigError(f"{where}: must be a mapping with 'class_name', got {type(entry).__name__}")
+    unknown = set(entry) - {"class_name", "config", "tool_schema"}
+    if unknown:
+        raise ToolConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected class_name, config, tool_schema")
+    class_name = entry.get("class_name")
+    if not isinstance(class_name, str) or not class_name:
+        raise ToolConfigError(f"{where}.class_name: required, a dotted path like agentloop.tools.builtin.calculator.CalculatorTool")
+    try:
+        tool_cls = load_tool_class(class_name)
+    except (ImportError, TypeError) as e:
+        raise ToolConfigError(f"{where}.class_name: cannot load {class_name!r}: {_first_line(e)}") from None
+    config = entry.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise ToolConfigError(f"{where}.config: must be a mapping, got {type(config).__name__}")
+    try:
+        inspect.signature(tool_cls).bind(**config)
+    except TypeError as e:
+        raise ToolConfigError(f"{where}.config: {tool_cls.__name__} does not accept it: {e}") from None
+    try:
+        tool = tool_cls(**config)
+    except Exception as e:
+        raise ToolConfigError(f"{where}.config: {tool_cls.__name__}(...) failed: {type(e).__name__}: {_first_line(e)}") from e
+    schema = entry.get("tool_schema")
+    if schema is not None:
+        _apply_schema(tool, schema, where)
+    return tool
+
+
+def _apply_schema(tool: Tool, schema: Any, where: str) -> None:
+    field = f"{where}.tool_schema"
+    if not isinstance(schema, Mapping):
+        raise ToolConfigError(f"{field}: must be a mapping, got {type(schema).__name__}")
+    fn = schema.get("function", schema) if schema.get("type", "function") == "function" else None
+    if not isinstance(fn, Mapping):
+        raise ToolConfigError(f"{field}: expected an OpenAI function schema {{type: function, function: {{name, description, parameters}}}}")
+    if "name" in fn:
+        if not isinstance(fn["name"], str) or not fn["name"]:
+            raise ToolConfigError(f"{field}.function.name: must be a non-empty string")
+        tool.name = fn["name"]
+    if "description" in fn:
+        if not isinstance(fn["description"], str):
+            raise ToolConfigError(f"{field}.function.description: must be a string")
+        tool.description = fn["description"]
+    if "parameters" in fn:
+        if not isinstance(fn["parameters"], Mapping):
+            raise ToolConfigError(f"{field}.function.parameters: must be a JSON schema object")
+        tool.parameters = dict(fn["parameters"])
