@@ -1,0 +1,318 @@
+"""Routing one step's generate requests across engine servers: sticky, least-loaded, failure-tolerant.
+
+This module owns *which server* serves a model turn. `Router.session(key)` returns a `RouteSession`,
+the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
+
+- **Stickiness**: a trajectory's first turn picks the server with the fewest outstanding requests
+  (ties: fewest bound trajectories); every later turn goes to the same server while it is healthy, so
+  its prefix stays cached. `RouteSession.close()` releases the binding.
+- **Failure**: a turn whose server cannot be reached (`EngineUnavailable`) or fails with a server
+  error (5xx) repeatedly is retried on another server (up to `max_retries`); a server that fails a
+  health probe, or `failure_threshold` requests in a row, is taken out (`Lifecycle.remove_server`).
+  Nothing was appended for the failed attempt, so the retry loses no token. Request errors (4xx)
+  are the request's fault and raise at once.
+- **The gate**: generation goes only through `Lifecycle.generate(url, ...)`; each request carries a
+  unique rid, so `RouteSession.in_flight_rid` can be aborted on the servers directly.
+- **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
+  without dispatching (the agent loop then ends with its partial trajectory), which is how the
+  scheduler's early stop and timeouts end trajectories cleanly.
+
+Waits for the gate and for a per-server slot are recorded as "wait" spans, requests as "generate"
+spans, on the session (the scheduler copies them into the trajectory's timeline).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import anyio
+
+from ..types import TimelineEvent
+from .base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
+from .lifecycle import EngineState, Lifecycle, LifecycleError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NoServerError", "RouteSession", "Router", "RouterStats"]
+
+
+class NoServerError(EngineUnavailable):
+    """No healthy engine server is left to route to."""
+
+
+@dataclass
+class RouterStats:
+    requests: int = 0
+    retries: int = 0
+    removed: dict[str, str] = field(default_factory=dict)  #: url → why it was taken out
+
+
+class Router:
+    """Routes requests of many trajectories over the servers of one `Lifecycle`."""
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        *,
+        per_server_limit: int | None = None,
+        max_retries: int = 3,
+        failure_threshold: int = 2,
+        request_timeout: float | None = 600.0,
+        health_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if per_server_limit is not None and per_server_limit < 1:
+            raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
+        self.lifecycle = lifecycle
+        self.per_server_limit = per_server_limit
+        self.max_retries = max_retries
+        self.failure_threshold = failure_threshold
+        self.request_timeout = request_timeout
+        self.health_timeout = health_timeout
+        self.clock = clock
+        self.stats = RouterStats()
+        self._outstanding: dict[str, int] = {}
+        self._bound: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._slots: dict[str, anyio.Semaphore] = {}
+        self._probe_locks: dict[str, anyio.Lock] = {}
+
+    # ------------------------------------------------------------------ public
+    def session(self, key: str) -> "RouteSession":
+        """A sticky `GenerateFn` for one trajectory (`key` prefixes its request ids)."""
+        return RouteSession(self, key)
+
+    @property
+    def urls(self) -> list[str]:
+        return self.lifecycle.urls
+
+    def outstanding(self) -> dict[str, int]:
+        """Requests routed to each live server and not yet answered (incl. those waiting for a slot)."""
+        return {u: self._outstanding.get(u, 0) for u in self.urls}
+
+    def bound(self) -> dict[str, int]:
+        """Trajectories currently bound (sticky) to each live server."""
+        return {u: self._bound.get(u, 0) for u in self.urls}
+
+    async def abort(self, rids: Sequence[str], *, timeout: float = 10.0) -> None:
+        """Abort `rids` on every server directly (routers in front of servers do not forward aborts)."""
+
+        async def one(rid: str) -> None:
+            with anyio.move_on_after(timeout):
+                try:
+                    await self.lifecycle.abort(rid)
+                except LifecycleError as e:  # a dead server cannot abort; its request ends on its own
+                    log.warning("abort of %s: %s", rid, e)
+
+        async with anyio.create_task_group() as tg:
+            for rid in rids:
+                tg.start_soon(one, rid)
+
+    # ------------------------------------------------------------------ internals
+    def _pick(self) -> str:
+        urls = self.urls
+        if not urls:
+            raise NoServerError("/generate", None, "no engine server left")
+        order = {u: i for i, u in enumerate(urls)}
+        return min(urls, key=lambda u: (self._outstanding.get(u, 0), self._bound.get(u, 0), order[u]))
+
+    def _bind(self, url: str) -> None:
+        self._bound[url] = self._bound.get(url, 0) + 1
+
+    def _unbind(self, url: str) -> None:
+        self._bound[url] = max(0, self._bound.get(url, 0) - 1)
+
+    def _slot(self, url: str) -> anyio.Semaphore | None:
+        if self.per_server_limit is None:
+            return None
+        if url not in self._slots:
+            self._slots[url] = anyio.Semaphore(self.per_server_limit)
+        return self._slots[url]
+
+    async def _on_failure(self, url: str, error: EngineError) -> None:
+        """Count a failure of `url`; take the server out when it is dead or failing repeatedly."""
+        if url not in self.lifecycle.urls:
+            return
+        self._failures[url] = self._failures.get(url, 0) + 1
+        lock = self._probe_locks.setdefault(url, anyio.Lock())
+        async with lock:  # one probe per server at a time, not one per failed trajectory
+            if url not in self.lifecycle.urls:
+                return
+            reason = None
+            if self._failures[url] >= self.failure_threshold:
+                reason = f"{self._failures[url]} failed requests in a row (last: {error})"
+            elif isinstance(error, EngineUnavailable):
+                healthy = False
+                with anyio.move_on_after(self.health_timeout):
+                    healthy = await self.lifecycle.health(url)
+                if not healthy:
+                    reason = f"unreachable and failed its health probe ({error})"
+            if reason is not None:
+                self._remove(url, reason)
+
+    def _remove(self, url: str, reason: str) -> None:
+        try:
+            self.lifecycle.remove_server(url)
+        except LifecycleError as e:  # the last server: keep it, the caller's retry budget decides
+            log.error("cannot take out %s: %s", url, e)
+            return
+        self.stats.removed[url] = reason
+        log.warning("engine server %s taken out of rotation: %s", url, reason)
+
+    def _on_success(self, url: str) -> None:
+        self._failures[url] = 0
+
+
+class RouteSession:
+    """The `GenerateFn` of one trajectory: sticky to one server, retried elsewhere if it dies."""
+
+    def __init__(self, router: Router, key: str) -> None:
+        self.router = router
+        self.key = key
+        self.url: str | None = None
+        self.in_flight_rid: str | None = None
+        self.rids: list[str] = []
+        self.stop_reason: str | None = None
+        self.events: list[TimelineEvent] = []
+        self.servers: list[str] = []  #: every server this trajectory was bound to, in order
+        self.retries = 0
+        self._closed = False
+        self._stop_event = anyio.Event()
+
+    # ------------------------------------------------------------------ control
+    def stop(self, reason: str) -> None:
+        """Later calls return an aborted output without dispatching (the in-flight one is aborted by rid)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self._stop_event.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def close(self) -> None:
+        """Release the sticky binding (the trajectory has ended)."""
+        if self.url is not None and not self._closed:
+            self.router._unbind(self.url)
+        self._closed = True
+        self.url = None
+
+    # ------------------------------------------------------------------ GenerateFn
+    async def __call__(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput:
+        if self._closed:
+            raise RuntimeError(f"trajectory {self.key}: generate called after its route session was closed")
+        router = self.router
+        attempt = 0
+        while True:
+            if self.stopped:
+                return self._not_dispatched()
+            url = self._current_server()
+            rid = f"{self.key}-{uuid.uuid4().hex[:12]}"
+            router._outstanding[url] = router._outstanding.get(url, 0) + 1
+            try:
+                out = await self._dispatch(url, rid, input_ids, sampling_params)
+            except EngineError as e:
+                if not self._retryable(url, e) or attempt >= router.max_retries:
+                    raise
+                attempt += 1
+                self.retries += 1
+                router.stats.retries += 1
+                log.info("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
+                if url in router.lifecycle.urls:
+                    await router._on_failure(url, e)
+                if url not in router.lifecycle.urls:
+                    self._unbind()  # move on to another server
+                continue
+            finally:
+                router._outstanding[url] -= 1
+            router._on_success(url)
+            if out is None:  # stopped while waiting for the gate or a slot
+                return self._not_dispatched()
+            return out
+
+    async def _dispatch(self, url: str, rid: str, input_ids: list[int], params: SamplingParams) -> GenerateOutput | None:
+        router = self.router
+        clock = router.clock
+        t0 = clock()
+        # Wait for the gate here (not only inside Lifecycle.generate) so the wait is visible on the
+        # timeline, and so a stop ends the wait (a sleeping engine would otherwise hold it forever).
+        if router.lifecycle.state is not EngineState.AWAKE and not await self._unless_stopped(router.lifecycle.wait_awake):
+            return None
+        slot = router._slot(url)
+        if slot is not None:
+            if slot.value > 0:
+                await slot.acquire()
+            elif not await self._unless_stopped(slot.acquire):
+                return None
+        try:
+            t1 = clock()
+            if t1 - t0 > 1e-4:
+                self.events.append(TimelineEvent("wait", t0, t1))
+            if self.stopped:
+                return None
+            self.in_flight_rid = rid
+            self.rids.append(rid)
+            router.stats.requests += 1
+            try:
+                return await router.lifecycle.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
+            finally:
+                self.in_flight_rid = None
+                self.events.append(TimelineEvent("generate", t1, clock()))
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def _unless_stopped(self, wait: Callable[[], Awaitable[None]]) -> bool:
+        """Run `wait()` unless the session is stopped first; True if `wait` completed."""
+        if self.stopped:
+            return False
+        done = False
+
+        async def waiter(scope: anyio.CancelScope) -> None:
+            nonlocal done
+            await wait()
+            done = True
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter, tg.cancel_scope)
+            await self._stop_event.wait()
+            tg.cancel_scope.cancel()
+        return done
+
+    def _current_server(self) -> str:
+        if self.url is not None and self.url not in self.router.lifecycle.urls:
+            self._unbind()  # its server was taken out (by another trajectory's failure)
+        if self.url is None:
+            self.url = self.router._pick()
+            self.router._bind(self.url)
+            self.servers.append(self.url)
+        return self.url
+
+    def _unbind(self) -> None:
+        if self.url is not None:
+            self.router._unbind(self.url)
+            self.url = None
+
+    def _retryable(self, url: str, e: EngineError) -> bool:
+        if isinstance(e, NoServerError):
+            return False
+        if isinstance(e, EngineUnavailable):
+            return True
+        if url not in self.router.lifecycle.urls:  # "no longer part of the lifecycle": taken out meanwhile
+            return True
+        return e.status is not None and e.status >= 500
+
+    def _not_dispatched(self) -> GenerateOutput:
+        return GenerateOutput(
+            output_ids=[],
+            output_logprobs=[],
+            finish_reason={"type": "abort", "message": f"not dispatched: {self.stop_reason}"},
+            weight_version=self.router.lifecycle.weight_version or "",
+            rid="",
+            server_url=self.url or "",
+        )

@@ -1,0 +1,359 @@
+"""`Runtime`: the trainer-facing API. One step = staged wake-up → roll out → collate → sleep.
+
+This module owns the engines' lifetime and the step sequence, nothing else:
+
+- **Engines**: the embedded CPU engine by default (`agentloop serve` subprocesses running the shipped
+  tiny tool model, driven by `SGLangClient`), URLs of running SGLang servers, servers launched through
+  `agentloop.engine.launch`, or `EngineClient` objects handed in. One `Lifecycle` over all of them.
+  At `start()` the engines are put to sleep, so every step begins SLEEPING and wakes in stages (a
+  trainer colocated on the GPU needs that memory between steps).
+- **Per-runtime state built once**: tokenizer (the model folder, a configured path, or the servers'
+  `model_info()["tokenizer_path"]`), tool registry, router, scheduler.
+- **`await step(samples, weights)`**: `lifecycle.wake_up(weights)` (a state dict, a path, or None =
+  reload) → `Scheduler.run` → `collate` → `lifecycle.sleep()` (also on error or cancellation).
+  Returns a `StepResult`: trajectories, the tensor batch, carry-over samples for the next step,
+  metrics (tokens/s, counts by status, seconds of every wake/sleep stage) and the weight version.
+- **`step_sync(...)`**: the same coroutine through an anyio blocking portal (one event loop for the
+  runtime's whole life, since HTTP sessions and subprocesses belong to it). No second implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import anyio
+import anyio.from_thread
+
+from .batch import RolloutBatch, collate
+from .config import RuntimeConfig
+from .engine.base import EngineClient
+from .engine.lifecycle import Lifecycle, Weights
+from .engine.router import Router
+from .scheduler import ScheduleResult, Scheduler, with_overrides
+from .types import Sample, Trajectory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Runtime", "RuntimeError_", "StepResult"]
+
+OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
+
+
+class RuntimeError_(RuntimeError):
+    """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
+
+
+@dataclass
+class StepResult:
+    """One step's output. Pass `carry_over` (+ new prompts) to the next `step` for partial rollout."""
+
+    step: int
+    weight_version: str | None
+    trajectories: list[Trajectory]
+    batch: RolloutBatch
+    carry_over: list[Sample] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime:
+    """Owns or attaches engines and runs steps. Use as `async with Runtime(cfg) as rt: await rt.step(...)`
+    or, from synchronous code, `with Runtime(cfg) as rt: rt.step_sync(...)`."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig | Mapping[str, Any] | None = None,
+        *,
+        clients: Sequence[EngineClient] | None = None,
+        tokenizer: Any = None,
+        tools: Any = None,
+        interaction: Any = None,
+        reward_fn: Callable[..., Awaitable[Any]] | None = None,
+        on_trajectory: OnTrajectory | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, RuntimeConfig) else RuntimeConfig.model_validate(config or {})
+        self._given_clients = list(clients) if clients is not None else None
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.interaction = interaction
+        self.reward_fn = reward_fn
+        self.on_trajectory = on_trajectory
+        self.lifecycle: Lifecycle | None = None
+        self.router: Router | None = None
+        self.scheduler: Scheduler | None = None
+        self.clients: list[EngineClient] = []
+        self.processes: list[Any] = []  #: embedded engine processes / launched servers we own
+        self.model_path: str | None = None
+        self.steps_done = 0
+        self._step_lock = anyio.Lock()
+        self._portal_cm: Any = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+
+    # ------------------------------------------------------------------ start / stop
+    @property
+    def started(self) -> bool:
+        return self.scheduler is not None
+
+    async def start(self) -> "Runtime":
+        """Start or attach engines, load the tokenizer and tools, put the engines to sleep."""
+        if self.started:
+            return self
+        ecfg = self.config.engine
+        try:
+            if self._given_clients is not None:
+                self.clients = list(self._given_clients)
+            elif ecfg.mode == "urls":
+                self.clients = [self._client(u) for u in ecfg.urls]
+            elif ecfg.mode == "launch":
+                await self._launch()
+            else:
+                await self._start_embedded()
+            self.tokenizer = self.tokenizer if self.tokenizer is not None else await self._load_tokenizer()
+            if self.tools is None:
+                self.tools = self._load_tools()
+            self.lifecycle = Lifecycle(
+                self.clients,
+                awake=True,  # freshly started or attached servers serve their weights
+                staged=ecfg.staged,
+                release_tags=ecfg.release_tags,
+                reload_path=self.model_path,
+                settle_timeout=ecfg.settle_timeout,
+                stage_timeout=ecfg.stage_timeout,
+            )
+            await self.lifecycle.sleep()
+            scfg = self.config.scheduler
+            self.router = Router(
+                self.lifecycle,
+                per_server_limit=scfg.per_server_concurrency,
+                max_retries=scfg.max_turn_retries,
+                failure_threshold=scfg.server_failure_threshold,
+                request_timeout=ecfg.request_timeout,
+            )
+            self.scheduler = Scheduler(
+                self.router,
+                tokenizer=self.tokenizer,
+                agent_config=self.config.agent.to_agent_config(),
+                config=scfg,
+                tools=self.tools,
+                interaction=self.interaction,
+                default_agent=self.config.agent.agent,
+                reward_fn=self.reward_fn,
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        """Put the engines to sleep (if they are ours to keep) and stop what we started."""
+        with anyio.CancelScope(shield=True):
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        for c in self.clients:
+            with contextlib.suppress(Exception):
+                await c.close()
+        for p in reversed(self.processes):
+            try:
+                with anyio.fail_after(60):
+                    await p.stop()
+            except Exception as e:  # keep stopping the others; say which one failed
+                log.error("stopping engine %r failed: %s", getattr(p, "url", p), e)
+        self.processes.clear()
+        self.scheduler = None
+
+    async def __aenter__(self) -> "Runtime":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _client(self, url: str) -> EngineClient:
+        from .engine.sglang import SGLangClient
+
+        return SGLangClient(url, timeout=self.config.engine.request_timeout)
+
+    async def _start_embedded(self) -> None:
+        from .engine.local.process import LocalEngineProcess
+
+        ecfg = self.config.engine
+        if ecfg.model is not None:
+            model = Path(ecfg.model)
+        else:
+            from .models import tiny_tool_model
+
+            model = tiny_tool_model()
+        if not model.is_dir():
+            raise RuntimeError_(f"engine.model: {model} is not a model folder")
+        self.model_path = str(model)
+        procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local_args)) for _ in range(ecfg.num_local_servers)]
+        self.processes.extend(procs)
+        urls = await _start_all(procs, ecfg.start_timeout)
+        self.clients = [self._client(u) for u in urls]
+
+    async def _launch(self) -> None:
+        from .engine.launch import SGLangLaunchConfig, SGLangServer, start_servers
+
+        lc = self.config.engine.launch
+        assert lc is not None
+        self.model_path = lc.model_path
+        gpu_ids = lc.gpu_ids or list(range(lc.num_servers))
+        if len(gpu_ids) != lc.num_servers:
+            raise RuntimeError_(f"engine.launch.gpu_ids has {len(gpu_ids)} entries for {lc.num_servers} servers")
+        servers = []
+        for gid in gpu_ids:
+            kw: dict[str, Any] = {"model_path": lc.model_path, "gpu_ids": [gid], "extra_args": tuple(lc.flags)}
+            if lc.mem_fraction_static is not None:
+                kw["mem_fraction_static"] = lc.mem_fraction_static
+            servers.append(SGLangServer(SGLangLaunchConfig(**kw)))
+        self.processes.extend(servers)
+        urls = await start_servers(servers, timeout=self.config.engine.start_timeout)
+        self.clients = [self._client(u) for u in urls]
+
+    async def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        path = self.config.engine.tokenizer or self.model_path
+        if path is None:
+            info = await self.clients[0].model_info()
+            path = info.get("tokenizer_path") or info.get("model_path")
+            if not path or not Path(path).exists():
+                raise RuntimeError_(
+                    f"no tokenizer: the server at {self.clients[0].url} reports tokenizer_path={path!r}, which is not a "
+                    "local folder; set engine.tokenizer")
+        return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))
+
+    def _load_tools(self) -> Any:
+        from .tools.registry import ToolRegistry
+
+        if self.config.agent.tools is not None:
+            return ToolRegistry.from_yaml(self.config.agent.tools)
+        from .tools.builtin import CalculatorTool
+
+        # The default is what the shipped tiny model was trained to call; more tools come from a YAML file.
+        return ToolRegistry([CalculatorTool()])
+
+    # ------------------------------------------------------------------ the step
+    async def step(
+        self,
+        samples: Sequence[Sample],
+        weights: "Weights | Mapping[str, Any] | str | Path | None" = None,
+        *,
+        on_trajectory: OnTrajectory | None = None,
+        pad_to: tuple[int | None, int | None] | None = None,
+        **overrides: Any,
+    ) -> StepResult:
+        """Wake the engines with `weights` (staged), run every sample's agent loop, collate, sleep.
+
+        `overrides` replace scheduler settings for this step (e.g. `n=4`, `target_groups=8`).
+        """
+        if not self.started:
+            await self.start()
+        assert self.lifecycle is not None and self.scheduler is not None
+        cfg = with_overrides(self.config.scheduler, overrides)
+        async with self._step_lock:
+            lc = self.lifecycle
+            first_record = len(lc.records)
+            t0 = time.monotonic()
+            version: str | None = None
+            try:
+                version = await lc.wake_up(weights)
+                t_awake = time.monotonic()
+                result: ScheduleResult = await self.scheduler.run(
+                    samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory)
+            finally:
+                t_rolled = time.monotonic()
+                with anyio.CancelScope(shield=True):
+                    await lc.sleep()
+            t_end = time.monotonic()
+            batch = collate(result.trajectories, pad_token_id=self.pad_token_id)
+            self.steps_done += 1
+            metrics = dict(result.metrics)
+            stages: dict[str, float] = {}
+            for r in lc.records[first_record:]:
+                key = f"{r.phase}/{r.stage}"
+                stages[key] = stages.get(key, 0.0) + r.seconds
+            metrics.update(
+                step=self.steps_done,
+                weight_version=version,
+                wake_up_seconds=t_awake - t0,
+                rollout_seconds=t_rolled - t_awake,
+                sleep_seconds=t_end - t_rolled,
+                step_seconds=t_end - t0,
+                stage_seconds=stages,
+                generations_outside_awake=lc.generations_outside_awake,
+            )
+            return StepResult(
+                step=self.steps_done, weight_version=version, trajectories=result.trajectories, batch=batch,
+                carry_over=result.carry_over, metrics=metrics,
+            )
+
+    async def sleep(self) -> None:
+        """Sleep now, even in the middle of a step: running trajectories are stopped (carried over),
+        in-flight requests aborted and settled, then memory is released."""
+        if self.scheduler is not None:
+            self.scheduler.stop("runtime sleep requested")
+        if self.lifecycle is not None:
+            await self.lifecycle.sleep()
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        for name in ("pad_token_id", "eos_token_id"):
+            v = getattr(tok, name, None)
+            if isinstance(v, int):
+                return v
+        return 0
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.lifecycle.weight_version if self.lifecycle else None
+
+    # ------------------------------------------------------------------ sync facade
+    def _blocking_portal(self) -> anyio.from_thread.BlockingPortal:
+        if self._portal is None:
+            self._portal_cm = anyio.from_thread.start_blocking_portal()
+            self._portal = self._portal_cm.__enter__()
+        return self._portal
+
+    def start_sync(self) -> "Runtime":
+        self._blocking_portal().call(self.start)
+        return self
+
+    def step_sync(self, samples: Sequence[Sample], weights: Any = None, **kwargs: Any) -> StepResult:
+        """`step` from synchronous code (same coroutine, run in the runtime's event-loop thread)."""
+        portal = self._blocking_portal()
+        return portal.call(lambda: self.step(samples, weights, **kwargs))
+
+    def stop_sync(self) -> None:
+        if self._portal is None:
+            return
+        try:
+            self._portal.call(self.stop)
+        finally:
+            cm, self._portal, self._portal_cm = self._portal_cm, None, None
+            cm.__exit__(None, None, None)
+
+    def __enter__(self) -> "Runtime":
+        return self.start_sync()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_sync()
+
+
+async def _start_all(procs: Sequence[Any], timeout: float) -> list[str]:
+    """Start engine processes concurrently; the URLs in order. Any failure raises (and names the engine)."""
+    urls: list[str | None] = [None] * len(procs)
+
+    async def one(i: int) -> None:
+        urls[i] = await procs[i].start(timeout=timeout)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(procs)):
+            tg.start_soon(one, i)
+    return [u for u in urls if u is not None]

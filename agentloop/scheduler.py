@@ -1,0 +1,412 @@
+"""Runs one step's trajectories concurrently: limits, GRPO groups, timeouts, over-sampling, failure isolation.
+
+This module owns *how many trajectories run, and when they stop*. `Scheduler.run(samples)`:
+
+- **Groups**: a fresh sample (empty `group_id`) becomes `n` trajectories sharing `group_id` (the
+  sample's uid) with uids `"{uid}_{i}"` (just `uid` when n == 1); a sample that already has a
+  `group_id` (a member carried over from an earlier step) runs once, as that member.
+- **Concurrency**: every trajectory's agent loop runs in ONE anyio task group; at most `concurrency`
+  run at once (FIFO, so earlier prompts start first); the router enforces the per-server limit.
+- **Timeouts**: past `trajectory_timeout` a trajectory is stopped (its in-flight request aborted by rid,
+  later generates not dispatched) so the loop returns its partial result, marked `failed` with the
+  error; if it has not returned `abort_grace` seconds later it is cancelled.
+- **Failure isolation**: an exception in one loop becomes that trajectory's `failed` status and error;
+  the others go on. Results come back in input order.
+- **Rewards**: completed and truncated trajectories are scored by `agentloop.rewards.score`.
+- **Over-sampling + early stop**: with `target_groups`, once that many groups are complete (every
+  member completed or truncated) the rest are stopped and aborted on the servers; their groups come
+  back as `carry_over` samples (`Sample.resume_from` = the partial trajectory, each turn tagged with
+  its weight_version) to be passed to the next step, so nothing is lost and exactly `target_groups`
+  complete groups are returned.
+
+Each trajectory gets `metrics` (queue/wait/generate/tool seconds) and "queue"/"wait" timeline spans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+import anyio
+import anyio.abc
+
+from .agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
+from .config import SchedulerConfig
+from .engine.router import RouteSession, Router
+from .types import STATUSES, Sample, TimelineEvent, Trajectory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScheduleResult", "Scheduler", "expand_samples"]
+
+OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
+RewardFn = Callable[..., Awaitable[Any]]
+FINISHED_OK = ("completed", "truncated")
+
+
+@dataclass
+class ScheduleResult:
+    """What one `Scheduler.run` produced."""
+
+    #: Finished trajectories (every status), in input order; excludes those carried over.
+    trajectories: list[Trajectory]
+    #: Samples to pass to the next step: members of groups not finished this step (partial rollout).
+    carry_over: list[Sample] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def expand_samples(samples: Sequence[Sample], n: int) -> list[Sample]:
+    """Fresh samples → `n` group members each; members (non-empty `group_id`) pass through once."""
+    jobs: list[Sample] = []
+    for s in samples:
+        if not isinstance(s, Sample):
+            raise TypeError(f"scheduler: expected agentloop.types.Sample, got {type(s).__name__}")
+        if s.group_id:
+            jobs.append(s)
+            continue
+        for i in range(n):
+            uid = s.uid if n == 1 else f"{s.uid}_{i}"
+            jobs.append(dataclasses.replace(s, uid=uid, group_id=s.uid, index_in_group=i))
+    seen: Counter[str] = Counter(j.uid for j in jobs)
+    dups = sorted(u for u, c in seen.items() if c > 1)
+    if dups:
+        raise ValueError(f"scheduler: trajectory uids must be unique within a step; duplicated: {dups[:5]}")
+    return jobs
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.done = 0
+        self.ok = 0
+        self.counted = False  # one of the first `target_groups` complete groups
+
+
+class Scheduler:
+    """Runs agent loops for a step. Build once per runtime; `run` may be called once per step."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        tokenizer: Any,
+        agent_config: AgentConfig,
+        config: SchedulerConfig | None = None,
+        tools: Any = None,
+        interaction: Any = None,
+        default_agent: str | None = None,
+        reward_fn: RewardFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.agent_config = agent_config
+        self.config = config or SchedulerConfig()
+        self.tools = tools
+        self.interaction = interaction
+        self.default_agent = default_agent
+        if reward_fn is None:
+            from . import rewards
+
+            reward_fn = rewards.score
+        self.reward_fn = reward_fn
+        self.clock = clock
+        self._agents: dict[str, AgentLoop] = {}
+        self._runs: list[_Run] = []
+
+    def _agent(self, name: str) -> AgentLoop:
+        if name not in self._agents:
+            self._agents[name] = get_agent(name)
+        return self._agents[name]
+
+    async def run(
+        self,
+        samples: Sequence[Sample],
+        *,
+        on_trajectory: OnTrajectory | None = None,
+        config: SchedulerConfig | None = None,
+    ) -> ScheduleResult:
+        """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault."""
+        run = _Run(self, config or self.config, on_trajectory)
+        self._runs.append(run)
+        try:
+            return await run.run(samples)
+        finally:
+            self._runs.remove(run)
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop every running `run`: nothing new starts or is dispatched, in-flight requests are aborted;
+        the stopped trajectories come back as carry-over. (Used before a sleep in the middle of a step.)"""
+        for run in self._runs:
+            run.stop(reason)
+
+
+class _Run:
+    """The state of one `Scheduler.run` call."""
+
+    def __init__(self, sched: Scheduler, cfg: SchedulerConfig, on_trajectory: OnTrajectory | None) -> None:
+        self.s = sched
+        self.cfg = cfg
+        self.on_trajectory = on_trajectory
+        self.clock = sched.clock
+        self.results: list[Trajectory | None] = []
+        self.jobs: list[Sample] = []
+        self.groups: dict[str, _Group] = {}
+        self.members: dict[str, list[int]] = {}
+        self.complete_groups = 0
+        self.stopping = False
+        self.stop_reason = ""
+        self.tg: anyio.abc.TaskGroup | None = None
+        self.sessions: dict[int, RouteSession] = {}
+        self.timed_out: set[int] = set()
+
+    async def run(self, samples: Sequence[Sample]) -> ScheduleResult:
+        self.jobs = expand_samples(samples, self.cfg.n)
+        for i, j in enumerate(self.jobs):
+            self.members.setdefault(j.group_id, []).append(i)
+        self.groups = {g: _Group(len(idx)) for g, idx in self.members.items()}
+        self.results = [None] * len(self.jobs)
+        if self.cfg.target_groups is not None and self.cfg.target_groups > len(self.groups):
+            log.warning("target_groups=%d but only %d groups in this step: waiting for all", self.cfg.target_groups, len(self.groups))
+        t0 = self.clock()
+        limit = anyio.Semaphore(self.cfg.concurrency)
+        async with anyio.create_task_group() as tg:
+            self.tg = tg
+            for i in range(len(self.jobs)):
+                tg.start_soon(self._one, i, limit, t0)
+        wall = self.clock() - t0
+        return self._result(wall)
+
+    # ------------------------------------------------------------------ one trajectory
+    async def _one(self, i: int, limit: anyio.Semaphore, t_queued: float) -> None:
+        job = self.jobs[i]
+        prev = job.resume_from
+        if prev is not None and prev.status != "aborted":
+            # A member that finished in an earlier step (its group did not): nothing to run.
+            if prev.status in FINISHED_OK and prev.reward is None:
+                await self._score(prev, job)
+            await self._finish(i, prev)
+            return
+        async with limit:
+            if self.stopping:  # early stop before it started: carried over untouched
+                return
+            t_start = self.clock()
+            traj = await self._run_agent(i, job)
+        traj.timeline = sorted([TimelineEvent("queue", t_queued, t_start), *traj.timeline], key=lambda e: e.start)
+        traj.metrics["queue_seconds"] = t_start - t_queued
+        if traj.status in FINISHED_OK:
+            await self._score(traj, job)
+        await self._finish(i, traj)
+
+    async def _run_agent(self, i: int, job: Sample) -> Trajectory:
+        cfg = self.cfg
+        session = self.s.router.session(job.uid)
+        self.sessions[i] = session
+        if self.stopping:
+            session.stop(self.stop_reason)
+        ctx = AgentContext(
+            generate=session,
+            tokenizer=self.s.tokenizer,
+            config=self.s.agent_config,
+            tools=self.s.tools,
+            interaction=self.s.interaction,
+            clock=self.clock,
+        )
+        name = job.agent or self.s.default_agent or "tool"
+        traj: Trajectory | None = None
+        error: str | None = None
+        hard = (cfg.trajectory_timeout + cfg.abort_grace) if cfg.trajectory_timeout is not None else None
+        try:
+            with anyio.move_on_after(hard) as scope:
+                async with anyio.create_task_group() as inner:
+                    if cfg.trajectory_timeout is not None:
+                        inner.start_soon(self._watchdog, i, session, cfg.trajectory_timeout)
+                    try:
+                        traj = await self.s._agent(name).run(job, ctx)
+                        if not isinstance(traj, Trajectory):
+                            raise TypeError(f"agent loop {name!r} returned {type(traj).__name__}, not a Trajectory")
+                    except Exception as e:  # failure isolation: this trajectory fails, the step goes on
+                        traj = None
+                        error = f"{type(e).__name__}: {e}"
+                        log.warning("trajectory %s failed in agent %r:\n%s", job.uid, name, traceback.format_exc())
+                    finally:
+                        inner.cancel_scope.cancel()  # the watchdog
+            if scope.cancelled_caught:
+                error = f"trajectory did not return within {hard:.1f}s (timeout {cfg.trajectory_timeout}s + grace {cfg.abort_grace}s)"
+        finally:
+            session.close()
+            self.sessions.pop(i, None)
+        if traj is None:
+            traj = self._empty(job, "failed", error or "agent loop returned nothing")
+        if i in self.timed_out and traj.error is None:
+            traj.status = "failed"
+            traj.finish_reason = "timeout"
+            traj.error = f"trajectory timed out after {cfg.trajectory_timeout}s (partial result kept)"
+        elif error is not None and traj.error is None:
+            traj.status, traj.error = "failed", error
+        self._annotate(traj, job, session)
+        return traj
+
+    async def _watchdog(self, i: int, session: RouteSession, timeout: float) -> None:
+        await anyio.sleep(timeout)
+        self.timed_out.add(i)
+        await self._stop_session(session, "timeout")
+
+    async def _stop_session(self, session: RouteSession, reason: str) -> None:
+        session.stop(reason)
+        # A request dispatched just before the stop may not be registered on its server yet: repeat the
+        # abort until the session has nothing in flight.
+        while session.in_flight_rid is not None:
+            await self.s.router.abort([session.in_flight_rid])
+            await anyio.sleep(0.2)
+
+    def _empty(self, job: Sample, status: str, error: str) -> Trajectory:
+        prev = job.resume_from
+        if prev is not None:  # keep what the earlier step produced
+            t = dataclasses.replace(prev, timeline=list(prev.timeline), metrics=dict(prev.metrics))
+        else:
+            t = Trajectory(uid=job.uid, group_id=job.group_id, prompt_ids=self._prompt_ids(job), messages=list(job.messages))
+        t.status, t.error, t.finish_reason = status, error, "error"  # type: ignore[assignment]
+        return t
+
+    def _prompt_ids(self, job: Sample) -> list[int]:
+        """The rendered prompt, so a trajectory that failed before its first turn still shows its prompt."""
+        try:
+            from .chat import render_ids
+
+            return render_ids(self.s.tokenizer, job.messages, tools=job.tools)
+        except Exception:  # the prompt itself may be what failed; the error is already recorded
+            return []
+
+    def _annotate(self, traj: Trajectory, job: Sample, session: RouteSession) -> None:
+        traj.uid = traj.uid or job.uid
+        traj.group_id = traj.group_id or job.group_id
+        traj.index_in_group = job.index_in_group
+        kinds = {e.kind for e in traj.timeline}
+        extra = [e for e in session.events if e.kind == "wait" or "generate" not in kinds]
+        traj.timeline = sorted(traj.timeline + extra, key=lambda e: e.start)
+        m = traj.metrics
+        m["wait_seconds"] = m.get("wait_seconds", 0.0) + sum(e.end - e.start for e in session.events if e.kind == "wait")
+        m.setdefault("generate_seconds", sum(e.end - e.start for e in session.events if e.kind == "generate"))
+        m.setdefault("tool_seconds", sum(e.end - e.start for e in traj.timeline if e.kind == "tool"))
+        m["route_retries"] = m.get("route_retries", 0) + session.retries
+        if session.servers:
+            traj.extra["servers"] = list(dict.fromkeys(traj.extra.get("servers", []) + session.servers))
+
+    async def _score(self, traj: Trajectory, job: Sample) -> None:
+        try:
+            with anyio.fail_after(self.cfg.reward_timeout + 1.0):
+                value = await self.s.reward_fn(traj, job, timeout=self.cfg.reward_timeout)
+            if value is not None:
+                traj.reward = float(value)
+        except Exception as e:  # a reward that cannot be computed makes the trajectory untrainable
+            traj.status, traj.error = "failed", f"reward failed: {type(e).__name__}: {e}"
+            log.warning("reward of %s failed: %s", traj.uid, e)
+
+    # ------------------------------------------------------------------ groups and early stop
+    async def _finish(self, i: int, traj: Trajectory) -> None:
+        self.results[i] = traj
+        job = self.jobs[i]
+        g = self.groups[job.group_id]
+        g.done += 1
+        g.ok += traj.status in FINISHED_OK
+        target = self.cfg.target_groups
+        if target is None:
+            if not self._carry(traj):
+                await self._emit([i])
+            return
+        if g.done < g.size:
+            return
+        if g.ok == g.size:
+            if self.complete_groups < target:
+                g.counted = True
+                self.complete_groups += 1
+                await self._emit(self.members[job.group_id])
+                if self.complete_groups == target:
+                    self._early_stop()
+        elif not any(self._carry(self.results[k]) for k in self.members[job.group_id]):
+            await self._emit(self.members[job.group_id])  # finished with a failure: final, not carried
+
+    def _early_stop(self) -> None:
+        log.info("target of %d complete groups reached: stopping %d running trajectories", self.cfg.target_groups, len(self.sessions))
+        self.stop("early stop: target groups reached")
+
+    def stop(self, reason: str) -> None:
+        self.stopping = True
+        self.stop_reason = reason
+        if self.tg is None:
+            return
+        for session in list(self.sessions.values()):
+            self.tg.start_soon(self._stop_session, session, reason)
+
+    async def _emit(self, idx: Sequence[int]) -> None:
+        if self.on_trajectory is None:
+            return
+        for k in idx:
+            r = self.on_trajectory(self.results[k])  # type: ignore[arg-type]
+            if r is not None:
+                await r
+
+    def _carry(self, traj: Trajectory | None) -> bool:
+        """Unfinished (aborted without error, or never started) trajectories are carried over."""
+        return traj is None or (traj.status == "aborted" and traj.error is None)
+
+    def _is_final(self, i: int) -> bool:
+        traj = self.results[i]
+        group = self.groups[self.jobs[i].group_id]
+        if self.cfg.target_groups is not None:
+            if group.counted:
+                return True
+            return not any(self._carry(self.results[k]) for k in self.members[self.jobs[i].group_id]) and group.ok < group.size
+        return not self._carry(traj)
+
+    def _result(self, wall: float) -> ScheduleResult:
+        final: list[Trajectory] = []
+        carry: list[Sample] = []
+        for i, job in enumerate(self.jobs):
+            traj = self.results[i]
+            if self._is_final(i):
+                final.append(traj)  # type: ignore[arg-type]
+                continue
+            if traj is None or (traj.status == "aborted" and not self.cfg.partial_rollout):
+                carry.append(dataclasses.replace(job, resume_from=job.resume_from if traj is None else None))
+            else:
+                carry.append(dataclasses.replace(job, resume_from=traj))
+        sampled = sum(sum(t.response_mask) for t in final)
+        statuses = Counter(t.status for t in final)
+        return ScheduleResult(
+            trajectories=final,
+            carry_over=carry,
+            metrics={
+                "rollout_seconds": wall,
+                "trajectories": len(final),
+                "carried_over": len(carry),
+                "started": sum(r is not None for r in self.results),
+                "complete_groups": sum(
+                    1 for g, idx in self.members.items() if all(self._is_final(k) for k in idx) and self.groups[g].ok == self.groups[g].size
+                ),
+                "status_counts": {s: statuses.get(s, 0) for s in STATUSES},
+                "sampled_tokens": sampled,
+                "sampled_tokens_per_second": sampled / wall if wall > 0 else 0.0,
+                "tool_calls": sum(t.tool_calls for t in final),
+                "queue_seconds": sum(t.metrics.get("queue_seconds", 0.0) for t in final),
+                "wait_seconds": sum(t.metrics.get("wait_seconds", 0.0) for t in final),
+                "generate_seconds": sum(t.metrics.get("generate_seconds", 0.0) for t in final),
+                "tool_seconds": sum(t.metrics.get("tool_seconds", 0.0) for t in final),
+                "route_retries": self.s.router.stats.retries,
+                "servers_removed": dict(self.s.router.stats.removed),
+            },
+        )
+
+
+def with_overrides(config: SchedulerConfig, overrides: Mapping[str, Any]) -> SchedulerConfig:
+    """`config` with some fields replaced, validated (unknown names raise naming them)."""
+    unknown = sorted(set(overrides) - set(SchedulerConfig.model_fields))
+    if unknown:
+        raise TypeError(f"unknown scheduler settings {unknown}; known: {sorted(SchedulerConfig.model_fields)}")
+    return SchedulerConfig.model_validate({**config.model_dump(), **overrides})
