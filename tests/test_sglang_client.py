@@ -189,6 +189,11 @@ async def test_release_resume_answer_null_and_send_tags(replay, client) -> None:
     await client.resume_memory_occupation()  # no tags = all (SGLang's default), sent as {}
     assert replay.bodies("/release_memory_occupation") == [recorded("step1 release_memory_occupation")["request"]]
     assert replay.bodies("/resume_memory_occupation") == [{"tags": ["weights"]}, {}]
+    with pytest.raises(ValueError, match=r"unknown memory tags \['kv'\]"):
+        await client.release_memory_occupation(["weights", "kv"])
+    with pytest.raises(ValueError, match="not the string"):
+        await client.resume_memory_occupation("weights")  # type: ignore[arg-type]
+    assert replay.count("/release_memory_occupation") == 1  # refused before sending
 
 
 async def test_release_error_carries_endpoint_status_and_message(replay, client) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Literal, Mapping, Sequence
 import aiohttp
 import anyio
 
-from .base import EngineError, EngineUnavailable, GenerateOutput, PauseMode, SamplingParams, parse_generate_response
+from .base import MEMORY_TAGS, EngineError, EngineUnavailable, GenerateOutput, PauseMode, SamplingParams, parse_generate_response
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +266,24 @@ class SGLangClient:
         return parse_generate_response(out, rid=rid, server_url=self.url)
 
     # ------------------------------------------------------------------ memory
+    @staticmethod
+    def _tags_body(endpoint: str, tags: Sequence[str] | None) -> dict[str, Any]:
+        # SGLang 0.5.17 accepts any tag on release (and then fails later, in its scheduler): refuse
+        # unknown ones here, before anything is sent.
+        if tags is None:
+            return {}
+        if isinstance(tags, str):
+            raise ValueError(f"{endpoint}: tags must be a list of tags, not the string {tags!r}")
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"{endpoint}: unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        return {"tags": list(tags)}
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        await self._request("POST", "/release_memory_occupation", {"tags": list(tags)} if tags is not None else {})
+        await self._request("POST", "/release_memory_occupation", self._tags_body("/release_memory_occupation", tags))
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
-        await self._request("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags is not None else {})
+        await self._request("POST", "/resume_memory_occupation", self._tags_body("/resume_memory_occupation", tags))
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(
