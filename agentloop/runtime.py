@@ -176,7 +176,7 @@ class Runtime:
     def _client(self, url: str) -> EngineClient:
         from .engine.sglang import SGLangClient
 
-        return SGLangClient(url, timeout=self.config.engine.request_timeout)
+        return SGLangClient(url, generate_timeout=self.config.engine.request_timeout)
 
     async def _start_embedded(self) -> None:
         from .engine.local.process import LocalEngineProcess

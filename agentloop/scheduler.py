@@ -304,6 +304,8 @@ class _Run:
                 value = await self.s.reward_fn(traj, job, timeout=self.cfg.reward_timeout)
             if value is not None:
                 traj.reward = float(value)
+            if traj.extra.get("reward_error"):  # `rewards.score` records grader errors instead of raising
+                raise RuntimeError(traj.extra["reward_error"])
         except Exception as e:  # a reward that cannot be computed makes the trajectory untrainable
             traj.status, traj.error = "failed", f"reward failed: {type(e).__name__}: {e}"
             log.warning("reward of %s failed: %s", traj.uid, e)
