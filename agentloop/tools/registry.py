@@ -237,12 +237,12 @@ class ToolRegistry:
             return ToolResult(index, call.name, msg, ok=False, error_kind=kind, call_id=call.id)  # type: ignore[arg-type]
         tool = self._tools[call.name]  # type: ignore[index]
         t0 = time.monotonic()
-        scope = anyio.fail_after(timeout)
+        scope: anyio.CancelScope | None = None
         try:
-            with scope:
+            with anyio.fail_after(timeout) as scope:
                 out = await tool.execute(dict(call.arguments or {}), context)
         except TimeoutError as e:
-            if scope.cancelled_caught:
+            if scope is not None and scope.cancelled_caught:  # ours, not one raised inside the tool
                 return ToolResult(index, call.name, f"Error: tool {call.name!r} timed out after {timeout:g} seconds", ok=False,
                                   error_kind="timeout", seconds=time.monotonic() - t0, call_id=call.id)
             return ToolResult(index, call.name, f"Error: TimeoutError: {_first_line(e)}", ok=False,

@@ -1,0 +1,307 @@
+"""ToolRegistry: errors for the model instead of exceptions (unknown tool, bad arguments, parse errors,
+timeouts, raising tools), bounded parallelism measured from timestamps, per-trajectory state, YAML
+config loading and its error messages."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import anyio
+import pytest
+
+from agentloop.tools import Tool, ToolConfigError, ToolContext, ToolError, ToolRegistry
+from agentloop.tools.builtin.calculator import CalculatorTool
+from agentloop.tools.parsers import ToolCall, get_parser
+
+
+class SleepTool(Tool):
+    """Sleeps `seconds` and records when it ran (anyio clock) so overlap can be measured."""
+
+    name = "sleep"
+    description = "sleep"
+    parameters = {
+        "type": "object",
+        "properties": {"seconds": {"type": "number", "minimum": 0}, "tag": {"type": "string"}},
+        "required": ["seconds"],
+        "additionalProperties": False,
+    }
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        start = anyio.current_time()
+        try:
+            if arguments["seconds"] == float("inf") or arguments["seconds"] > 1e6:
+                await anyio.sleep_forever()
+            await anyio.sleep(arguments["seconds"])
+        finally:
+            self.spans.append((start, anyio.current_time()))
+        return f"slept {arguments.get('tag', '')}"
+
+
+class BoomTool(Tool):
+    name = "boom"
+    description = "raises"
+    parameters = {"type": "object", "properties": {"kind": {"type": "string"}}}
+
+    async def execute(self, arguments, context):
+        if arguments.get("kind") == "tool_error":
+            raise ToolError("the widget is out of order")
+        raise RuntimeError("kaboom\nsecond line of a long traceback")
+
+
+class NumberTool(Tool):
+    name = "number"
+    parameters = {"type": "object", "properties": {}}
+
+    async def execute(self, arguments, context):
+        return 42  # not a str: the registry coerces
+
+
+class StatefulTool(Tool):
+    name = "counter"
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self, fail_create: bool = False) -> None:
+        self.fail_create = fail_create
+        self.released: list[str] = []
+
+    async def create_state(self, context):
+        if self.fail_create:
+            raise OSError("no sandbox slots")
+        context.state[self.name] = 0
+
+    async def release_state(self, context):
+        self.released.append(context.trajectory_id)
+        context.state.pop(self.name, None)
+
+    async def execute(self, arguments, context):
+        context.state[self.name] += 1
+        return str(context.state[self.name])
+
+
+def ctx(tid: str = "t0") -> ToolContext:
+    return ToolContext(trajectory_id=tid)
+
+
+def max_overlap(spans: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+async def test_schemas_names_and_lookup():
+    reg = ToolRegistry([CalculatorTool(), SleepTool()])
+    assert reg.names() == ["calculator", "sleep"] and len(reg) == 2 and "sleep" in reg
+    s = reg.schemas()
+    assert s[0]["type"] == "function" and s[0]["function"]["name"] == "calculator"
+    assert set(s[0]["function"]) == {"name", "description", "parameters"}
+    assert [x["function"]["name"] for x in reg.schemas(["sleep"])] == ["sleep"]
+    with pytest.raises(KeyError, match="unknown tool 'nope'"):
+        reg.get("nope")
+
+
+async def test_errors_become_results_for_the_model_in_call_order():
+    reg = ToolRegistry([CalculatorTool(), SleepTool(), NumberTool()])
+    text = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 33"}}</tool_call>'
+        '<tool_call>{"name": "foo", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'
+        '<tool_call>{"name": "sleep", "arguments": {"seconds": "soon"}}</tool_call>'
+        '<tool_call>{"name": "sleep", "arguments": {"seconds": 0, "extra": 1}}</tool_call>'
+        "<tool_call>{oops}</tool_call>"
+        '<tool_call>{"name": "number"}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
+    )
+    _, calls = get_parser("hermes").parse(text)
+    res = await reg.execute_calls(calls, context=ctx(), timeout=5, max_parallel=4)
+    assert [r.index for r in res] == list(range(8))
+    assert [(r.ok, r.error_kind) for r in res] == [
+        (True, None), (False, "unknown_tool"), (False, "bad_arguments"), (False, "bad_arguments"),
+        (False, "bad_arguments"), (False, "parse"), (True, None), (False, "exception"),
+    ]
+    assert res[0].content == "396"
+    assert res[1].content == "Error: unknown tool 'foo'; available: calculator, sleep, number"
+    assert "'expression' is a required property" in res[2].content and "calculator" in res[2].content
+    assert "seconds: 'soon' is not of type 'number'" in res[3].content
+    assert "Additional properties are not allowed ('extra'" in res[4].content
+    assert res[5].content.startswith("Error: could not parse tool call: invalid JSON")
+    assert res[6].content == "42"
+    assert res[7].content == "Error: division by zero"
+
+
+async def test_hanging_tool_times_out_while_others_complete():
+    tool = SleepTool()
+    reg = ToolRegistry([tool])
+    calls = [ToolCall("sleep", {"seconds": 1e9, "tag": "hang"}, ""), ToolCall("sleep", {"seconds": 0.05, "tag": "a"}, ""),
+             ToolCall("sleep", {"seconds": 0.1, "tag": "b"}, "")]
+    t0 = anyio.current_time()
+    res = await reg.execute_calls(calls, context=ctx(), timeout=0.5, max_parallel=3)
+    elapsed = anyio.current_time() - t0
+    assert res[0].ok is False and res[0].error_kind == "timeout"
+    assert res[0].content == "Error: tool 'sleep' timed out after 0.5 seconds"
+    assert 0.45 <= res[0].seconds < 2
+    assert [r.content for r in res[1:]] == ["slept a", "slept b"] and all(r.ok for r in res[1:])
+    assert elapsed < 2.0
+    assert len(tool.spans) == 3  # the hanging call was cancelled (its finally ran), not leaked
+
+
+async def test_raising_tool_returns_its_error_text():
+    reg = ToolRegistry([BoomTool()])
+    res = await reg.execute_calls(
+        [ToolCall("boom", {}, ""), ToolCall("boom", {"kind": "tool_error"}, "")], context=ctx(), timeout=5, max_parallel=2
+    )
+    assert (res[0].ok, res[0].error_kind, res[0].content) == (False, "exception", "Error: RuntimeError: kaboom")
+    assert (res[1].ok, res[1].error_kind, res[1].content) == (False, "exception", "Error: the widget is out of order")
+
+
+@pytest.mark.parametrize("max_parallel", [1, 2, 5])
+async def test_max_parallel_is_honoured(max_parallel):
+    tool = SleepTool()
+    reg = ToolRegistry([tool])
+    calls = [ToolCall("sleep", {"seconds": 0.05, "tag": str(i)}, "") for i in range(5)]
+    res = await reg.execute_calls(calls, context=ctx(), timeout=5, max_parallel=max_parallel)
+    assert [r.content for r in res] == [f"slept {i}" for i in range(5)]
+    assert max_overlap(tool.spans) == max_parallel
+
+
+async def test_bad_execute_arguments_raise():
+    reg = ToolRegistry([SleepTool()])
+    with pytest.raises(ValueError, match="max_parallel"):
+        await reg.execute_calls([], context=ctx(), timeout=1, max_parallel=0)
+    with pytest.raises(ValueError, match="timeout"):
+        await reg.execute_calls([], context=ctx(), timeout=0, max_parallel=1)
+    assert await reg.execute_calls([], context=ctx(), timeout=1, max_parallel=1) == []
+
+
+async def test_results_truncated_by_tokens_when_asked():
+    class CharTok:  # one token per character: enough to check the plumbing (tokens are tested elsewhere)
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids)
+
+    class Long(Tool):
+        name = "long"
+
+        async def execute(self, arguments, context):
+            return "x" * 500
+
+    reg = ToolRegistry([Long()])
+    res = await reg.execute_calls([ToolCall("long", {}, "")], context=ctx(), timeout=1, max_parallel=1,
+                                  tokenizer=CharTok(), max_result_tokens=60, truncate_side="right")
+    assert res[0].truncated and len(res[0].content) <= 60 and res[0].content.startswith("xxx")
+    assert "truncated" in res[0].content
+
+
+async def test_per_trajectory_state_is_created_and_released():
+    tool = StatefulTool()
+    reg = ToolRegistry([tool, CalculatorTool()])
+    a, b = ctx("a"), ctx("b")
+    async with reg.trajectory(a), reg.trajectory(b):
+        for _ in range(3):
+            await reg.execute_calls([ToolCall("counter", {}, "")], context=a, timeout=1, max_parallel=1)
+        r = await reg.execute_calls([ToolCall("counter", {}, "")], context=b, timeout=1, max_parallel=1)
+        assert a.state["counter"] == 3 and r[0].content == "1"
+    assert sorted(tool.released) == ["a", "b"] and "counter" not in a.state
+
+    # cancellation of the trajectory still releases (release is shielded)
+    c = ctx("c")
+    with anyio.move_on_after(0.05):
+        async with reg.trajectory(c):
+            await anyio.sleep_forever()
+    assert tool.released[-1] == "c"
+
+
+async def test_failed_create_state_releases_the_others_and_names_the_tool():
+    ok, bad = StatefulTool(), StatefulTool(fail_create=True)
+    bad.name = "sandbox"
+    reg = ToolRegistry([ok, bad])
+    with pytest.raises(RuntimeError, match="tool 'sandbox': create_state failed for trajectory t9: no sandbox slots"):
+        await reg.open_trajectory(ctx("t9"))
+    assert ok.released == ["t9"]
+
+
+def test_yaml_config_loads_with_schema_override(tmp_path):
+    p = tmp_path / "tools.yaml"
+    p.write_text(textwrap.dedent("""
+        tools:
+          - class_name: agentloop.tools.builtin.calculator.CalculatorTool
+            config: {max_exponent: 10}
+          - class_name: tests.test_tools_registry.SleepTool
+            tool_schema:
+              type: function
+              function:
+                name: wait
+                description: Wait a while.
+                parameters: {type: object, properties: {seconds: {type: integer}}, required: [seconds]}
+    """))
+    reg = ToolRegistry.from_yaml(p)
+    assert reg.names() == ["calculator", "wait"]
+    assert reg.get("calculator").limits["max_exponent"] == 10
+    assert reg.schemas(["wait"])[0]["function"] == {
+        "name": "wait", "description": "Wait a while.",
+        "parameters": {"type": "object", "properties": {"seconds": {"type": "integer"}}, "required": ["seconds"]},
+    }
+    assert reg.check_call(ToolCall("wait", {"seconds": 1.5}, ""))[0] == "bad_arguments"  # the override validates
+    assert SleepTool.name == "sleep"  # overriding an instance leaves the class alone
+
+
+def test_shipped_example_config_loads():
+    from pathlib import Path
+
+    reg = ToolRegistry.from_yaml(Path(__file__).resolve().parents[1] / "examples" / "tools.yaml")
+    assert reg.names() == ["calculator", "python"]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"tool": []}, "top-level 'tools' list"),
+        ({"tools": {"a": 1}}, "'tools' must be a list"),
+        ({"tools": ["calculator"]}, r"tools\[0\]: must be a mapping"),
+        ({"tools": [{"config": {}}]}, r"tools\[0\]\.class_name: required"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool"}, {"class_name": "nope.Nope"}]},
+         r"tools\[1\]\.class_name: cannot load 'nope.Nope': No module named 'nope'"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.Missing"}]}, r"tools\[0\]\.class_name: .*has no attribute 'Missing'"),
+        ({"tools": [{"class_name": "agentloop.tools.registry.ToolRegistry"}]}, r"tools\[0\]\.class_name: .*not a subclass of agentloop.tools.Tool"),
+        ({"tools": [{"class_name": "Calculator"}]}, r"tools\[0\]\.class_name: .*not a dotted path"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "config": {"bogus": 1}}]},
+         r"tools\[0\]\.config: CalculatorTool does not accept it: .*bogus"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "config": [1]}]}, r"tools\[0\]\.config: must be a mapping"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.python.PythonTool", "config": {"timeout": -1}}]},
+         r"tools\[0\]\.config: PythonTool\(\.\.\.\) failed: ValueError"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "tool_schema": {"function": {"parameters": {"type": "objekt"}}}}]},
+         r"tools\[0\]: parameters of tool 'calculator' are not a valid JSON schema"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "tool_schema": {"function": {"name": ""}}}]},
+         r"tools\[0\]\.tool_schema\.function\.name: must be a non-empty string"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "tool_schema": "calc"}]},
+         r"tools\[0\]\.tool_schema: must be a mapping"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "schema": {}}]},
+         r"tools\[0\]: unknown field\(s\) \['schema'\]"),
+        ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool"},
+                    {"class_name": "agentloop.tools.builtin.calculator.CalculatorTool"}]}, r"tools\[1\]: duplicate tool name 'calculator'"),
+    ],
+)
+def test_config_errors_name_the_entry_and_field(config, message):
+    with pytest.raises(ToolConfigError, match=message):
+        ToolRegistry.from_config(config)
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("tools:\n  - class_name: [unclosed\n")
+    with pytest.raises(ToolConfigError, match="bad.yaml: not valid YAML"):
+        ToolRegistry.from_yaml(p)
+    p.write_text("tools:\n  - config: {}\n")
+    with pytest.raises(ToolConfigError, match=r"bad.yaml: tools\[0\]\.class_name: required"):
+        ToolRegistry.from_yaml(p)
+    with pytest.raises(ToolConfigError, match="cannot read tool config"):
+        ToolRegistry.from_yaml(tmp_path / "missing.yaml")
+    assert ToolRegistry.from_config(None).names() == [] and ToolRegistry.from_config({"tools": None}).names() == []
