@@ -7,7 +7,7 @@
 - `trajectories.parquet`: the same trajectories, one row each, DESIGN.md's fields plus `messages`
   (as JSON text, since chat messages are heterogeneous), written once at the end.
 - `summary.json`: counts by status, tool calls, reward mean, tokens/s, time split
-  generate/tool/queue/wait, wake-up and sleep seconds per lifecycle stage, per step and in total.
+  generate/tool/queue/wait/user, wake-up and sleep seconds per lifecycle stage, per step and in total.
 
 Files other than the stream are written to a temporary name in the same folder and renamed, so no
 reader ever sees a half-written file.
@@ -31,7 +31,17 @@ PARQUET_NAME = "trajectories.parquet"
 SUMMARY_NAME = "summary.json"
 TIMELINE_NAME = "timeline.png"
 OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME)
-TIME_KINDS = ("generate", "tool", "queue", "wait")
+TIME_KINDS = ("generate", "tool", "queue", "wait", "user")
+
+
+def _file_mode() -> int:
+    # mkstemp creates 0600 files; outputs are ordinary files, so give them the umask's usual mode.
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_FILE_MODE = _file_mode()
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
@@ -40,6 +50,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -176,7 +187,7 @@ def write_parquet(path: str | Path, rows: Iterable[tuple[int, Trajectory]]) -> P
 
 # ---------------------------------------------------------------------------------------- summary
 def time_split(traj: Trajectory) -> dict[str, float]:
-    """Seconds a trajectory spent per kind (generate/tool/queue/wait), from its timeline events,
+    """Seconds a trajectory spent per kind (generate/tool/queue/wait/user), from its timeline events,
     falling back to `metrics` (`<kind>_seconds`) when a loop records no events of that kind."""
     out = dict.fromkeys(TIME_KINDS, 0.0)
     for ev in traj.timeline:

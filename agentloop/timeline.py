@@ -1,7 +1,7 @@
 """The timeline picture of a rollout run (`timeline.png`): where each step's time went.
 
 One panel per step. Each trajectory is a row; its `TimelineEvent`s are drawn as colored segments
-(generate / tool / wait / queue). The engine's lifecycle stages of that step (`StageRecord`s from
+(generate / tool / wait / queue / simulated user). The engine's lifecycle stages of that step (`StageRecord`s from
 `Lifecycle.records`: wake-up stages before the roll-out, sleep stages after) are shaded bands across
 all rows, labelled. Times are seconds from the step's first recorded moment. Both events and stage
 records must use the same clock (`time.monotonic`, as the lifecycle and scheduler do).
@@ -23,6 +23,7 @@ SEGMENT_COLORS = {
     "tool": "#ff7f0e",
     "wait": "#b0b0b0",
     "queue": "#e8d9a8",
+    "user": "#9467bd",
 }
 WAKE_COLORS = ["#c7e9c0", "#74c476", "#31a354", "#a1d99b"]
 SLEEP_COLORS = ["#dadaeb", "#bcbddc", "#9e9ac8", "#807dba", "#6a51a3"]

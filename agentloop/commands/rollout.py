@@ -1,0 +1,413 @@
+"""`agentloop rollout`: turn a prompt dataset into trajectory files, one training step at a time.
+
+This module is a thin caller of `agentloop.runtime.Runtime` (the one async step: wake-up in stages
+→ roll out → sleep); it owns only what the command adds around it: settings (YAML + flags), the
+dataset, the per-step prompt batches, streaming finished trajectories to disk, the progress
+display, summary.json and timeline.png, and a clean Ctrl-C.
+
+With no `--engine-url` it starts the embedded CPU engine with the shipped tiny tool model, and with
+no `--data` it uses the bundled arithmetic prompts, so `agentloop rollout` alone runs a real
+multi-turn tool-calling rollout of two steps.
+
+Exit status: 0 done; 1 the engines failed (unreachable URL, a lifecycle stage failed); 2 bad
+settings or data; 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the engines left
+asleep or stopped, finished trajectories and a summary of them written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import anyio
+import yaml
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+from ..dataset import Dataset, DatasetError, load_dataset
+from ..engine.base import EngineError, EngineUnavailable
+from ..engine.lifecycle import LifecycleError, StageRecord
+from ..output import (
+    PARQUET_NAME,
+    SUMMARY_NAME,
+    TIMELINE_NAME,
+    TrajectoryStream,
+    clear_outputs,
+    summarize_run,
+    summarize_step,
+    write_parquet,
+    write_summary,
+)
+from ..progress import RolloutProgress
+from ..rollout_config import ConfigError, RolloutConfig, load_config
+from ..types import Sample, Trajectory
+
+EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+#: flag dest → (dotted config field, flag as typed). Flags override the YAML file.
+FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "data": ("data", "--data"),
+    "out": ("out", "--out"),
+    "steps": ("steps", "--steps"),
+    "prompts_per_step": ("prompts_per_step", "--prompts-per-step"),
+    "on_bad_row": ("on_bad_row", "--on-bad-row"),
+    "engine_url": ("runtime.engine.urls", "--engine-url"),
+    "model": ("runtime.engine.model", "--model"),
+    "n": ("runtime.scheduler.n", "--n"),
+    "concurrency": ("runtime.scheduler.concurrency", "--concurrency"),
+    "max_new_tokens": ("runtime.agent.max_new_tokens_per_turn", "--max-new-tokens"),
+    "temperature": ("runtime.agent.temperature", "--temperature"),
+    "seed": ("runtime.agent.seed", "--seed"),
+}
+
+
+def _default(dotted: str) -> Any:
+    obj: Any = RolloutConfig()
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "rollout",
+        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png)",
+        description=__doc__.split("\n\n")[0] + " Defaults of every setting: `agentloop config --show`.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+    def h(dest: str, text: str) -> str:
+        dotted, _ = FLAG_FIELDS[dest]
+        return f"{text} (default: {_default(dotted)!r}; config field: {dotted})"
+
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML settings file (see `agentloop config --show`)")
+    p.add_argument("--data", metavar="FILE", help=h("data", "prompts, .jsonl or .parquet; none: the bundled arithmetic prompts"))
+    p.add_argument("--out", metavar="DIR", help=h("out", "output folder"))
+    p.add_argument("--engine-url", metavar="URL", action="append",
+                   help=h("engine_url", "a running SGLang(-compatible) server; repeat for several. None: the embedded CPU engine"))
+    p.add_argument("--model", metavar="DIR", help=h("model", "model folder for the embedded CPU engine"))
+    p.add_argument("--steps", type=int, metavar="N", help=h("steps", "steps (wake-up → roll out → sleep)"))
+    p.add_argument("--prompts-per-step", type=int, metavar="N", help=h("prompts_per_step", "prompts per step"))
+    p.add_argument("--n", type=int, metavar="N", help=h("n", "trajectories per prompt (GRPO group size)"))
+    p.add_argument("--concurrency", type=int, metavar="N", help=h("concurrency", "trajectories in flight at once"))
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "tokens per model turn"))
+    p.add_argument("--temperature", type=float, metavar="T", help=h("temperature", "sampling temperature"))
+    p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed"))
+    p.add_argument("--on-bad-row", choices=("skip", "stop"), help=h("on_bad_row", "what a bad dataset row does"))
+    p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
+                   help="set any config field by its dotted name, VALUE parsed as YAML "
+                   "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
+    p.add_argument("--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
+    p.set_defaults(func=run)
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """{dotted field: (value, flag)} for every flag given on the command line."""
+    out: dict[str, tuple[Any, str]] = {}
+    for item in getattr(args, "set", None) or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=3")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {e}") from None
+        out[key.strip()] = (value, f"--set {key.strip()}")
+    for dest, (dotted, flag) in FLAG_FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[dotted] = (value, flag)
+    if getattr(args, "quiet", None):
+        out["quiet"] = (True, "--quiet")
+    if getattr(args, "timeline", None) is False:
+        out["timeline"] = (False, "--no-timeline")
+    return out
+
+
+# ------------------------------------------------------------------------------------ the run
+def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> list[Sample]:
+    """The prompts of step `step` (1-based): the next `per_step` rows in order, wrapping around.
+
+    A row seen again in a later step gets its uid suffixed with the step (uids name groups and must
+    stay unique across the run's output)."""
+    if per_step is None:
+        picked = list(samples)
+        start = 0
+    else:
+        start = (step - 1) * per_step
+        picked = [samples[(start + i) % len(samples)] for i in range(per_step)]
+    out = []
+    for i, s in enumerate(picked):
+        lap = (start + i) // len(samples)
+        if per_step is None:
+            lap = step - 1
+        out.append(s if lap == 0 else _relabel(s, f"{s.uid}@{lap}"))
+    return out
+
+
+def _relabel(s: Sample, uid: str) -> Sample:
+    import dataclasses
+
+    return dataclasses.replace(s, uid=uid, extra=dict(s.extra))
+
+
+@dataclass
+class _StepRecord:
+    step: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+    records: list[StageRecord] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float | None = None
+
+
+@dataclass
+class _Run:
+    cfg: RolloutConfig
+    dataset: Dataset
+    progress: RolloutProgress
+    steps: list[_StepRecord] = field(default_factory=list)
+    stream: TrajectoryStream | None = None
+    interrupted: bool = False
+    error: str | None = None
+    engine_urls: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    written: list[Path] = field(default_factory=list)
+
+
+def _rollout_window(records: Sequence[StageRecord]) -> float | None:
+    """Roll-out wall seconds of a step: from the end of its wake-up to the start of its sleep."""
+    wake = [r.end for r in records if r.phase == "wake_up"]
+    sleep = [r.start for r in records if r.phase == "sleep"]
+    if wake and sleep and min(sleep) >= max(wake):
+        return min(sleep) - max(wake)
+    return None
+
+
+async def _run_steps(run: _Run) -> None:
+    from ..runtime import Runtime  # imported late: `agentloop config`/`--help` stay light
+
+    cfg = run.cfg
+    out = Path(cfg.out)
+    where = ", ".join(cfg.runtime.engine.urls) or "the embedded CPU engine"
+    run.progress.message(f"starting {where} ...")
+    runtime = Runtime(cfg.runtime)
+    try:
+        await runtime.start()
+        assert runtime.lifecycle is not None
+        run.engine_urls = list(runtime.lifecycle.urls)
+        # Engines are up: only now is the output folder touched, so a failed start leaves nothing.
+        out.mkdir(parents=True, exist_ok=True)
+        clear_outputs(out)
+        run.stream = TrajectoryStream(out).open()
+        carry: list[Sample] = []
+        for step in range(1, cfg.steps + 1):
+            prompts = carry + step_prompts(run.dataset.samples, step, cfg.prompts_per_step)
+            rec = _StepRecord(step)
+            run.steps.append(rec)
+            first_record = len(runtime.lifecycle.records)
+            n = cfg.runtime.scheduler.n
+            total = sum(1 if s.group_id else n for s in prompts)
+            run.progress.begin_step(step, cfg.steps, total)
+            t0 = time.monotonic()
+
+            async def done(traj: Trajectory, rec: _StepRecord = rec, step: int = step) -> None:
+                rec.trajectories.append(traj)
+                assert run.stream is not None
+                run.stream.write(traj, step)
+                run.progress.trajectory_done(traj)
+
+            try:
+                result = await runtime.step(prompts, on_trajectory=done)
+            finally:
+                rec.seconds = time.monotonic() - t0
+                rec.records = list(runtime.lifecycle.records[first_record:])
+            rec.metrics = dict(result.metrics)
+            carry = list(result.carry_over)
+            # Anything the scheduler returned without announcing it is still written: nothing is lost.
+            seen = {id(t) for t in rec.trajectories}
+            for t in result.trajectories:
+                if id(t) not in seen:
+                    await done(t)
+            if step == cfg.steps:
+                # Partial trajectories of unfinished groups would be continued next step; there is
+                # none, so they are written as they are (aborted) rather than dropped.
+                for s in carry:
+                    if s.resume_from is not None:
+                        await done(s.resume_from)
+            run.progress.end_step(_step_summary(rec, run))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runtime.stop()
+
+
+def _step_summary(rec: _StepRecord, run: _Run) -> dict[str, Any]:
+    rollout = rec.metrics.get("rollout_seconds")
+    if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
+        rollout = _rollout_window(rec.records)
+    return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
+                          rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"))
+
+
+def _finish_outputs(run: _Run) -> list[Path]:
+    """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
+    if run.stream is None:
+        return []
+    out = Path(run.cfg.out)
+    written: list[Path] = []
+    jsonl = run.stream.close()
+    if jsonl is not None:
+        written.append(jsonl)
+    rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
+    written.append(write_parquet(out / PARQUET_NAME, rows))
+    summaries = [_step_summary(rec, run) for rec in run.steps]
+    summary = summarize_run(
+        summaries,
+        interrupted=run.interrupted,
+        error=run.error,
+        data=run.cfg.data or "bundled:arithmetic.jsonl",
+        prompts=len(run.dataset.samples),
+        bad_rows=len(run.dataset.bad_rows),
+        engines=run.engine_urls or run.cfg.runtime.engine.urls,
+        n=run.cfg.runtime.scheduler.n,
+        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(run.started)),
+        wall_seconds=round(time.time() - run.started, 3),
+    )
+    written.append(write_summary(out / SUMMARY_NAME, summary))
+    if run.cfg.timeline and any(rec.trajectories or rec.records for rec in run.steps):
+        from ..timeline import StepTimeline, plot_timeline
+
+        panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
+        written.append(plot_timeline(panels, out / TIMELINE_NAME))
+    return written
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]
+
+
+def _engine_failure(e: BaseException) -> str | None:
+    """A message for an engine-side failure (unreachable server, failed stage, engine that would not
+    start), naming the server; None for anything else (a bug: let it raise with its traceback)."""
+    from ..runtime import RuntimeError_
+
+    messages = []
+    for leaf in _leaves(e):
+        if isinstance(leaf, LifecycleError) and isinstance(leaf.__cause__, EngineUnavailable):
+            messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.__cause__.message} "
+                            f"(during lifecycle stage '{leaf.stage}')")
+        elif isinstance(leaf, EngineUnavailable):
+            messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.message}")
+        elif isinstance(leaf, (EngineError, LifecycleError, RuntimeError_, OSError, TimeoutError)):
+            messages.append(str(leaf) or type(leaf).__name__)
+        else:
+            return None
+    return "; ".join(dict.fromkeys(messages)) or None
+
+
+async def _main(run: _Run) -> int:
+    code = EXIT_OK
+    async with anyio.create_task_group() as tg:
+        work = anyio.CancelScope()
+
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    run.interrupted = True
+                    run.progress.message(f"{signal.Signals(signum).name}: stopping (aborting in-flight requests, "
+                                         "putting the engines to sleep, writing finished trajectories) ...")
+                    work.cancel()
+                    return  # the receiver closes: a second Ctrl-C gets Python's default (KeyboardInterrupt)
+
+        tg.start_soon(on_signal)
+        with work:
+            try:
+                await _run_steps(run)
+            except Exception as e:
+                message = _engine_failure(e)
+                if message is None:
+                    raise
+                run.error = message
+                code = EXIT_ENGINE
+        tg.cancel_scope.cancel()
+    if run.interrupted:
+        code = EXIT_INTERRUPTED
+    with anyio.CancelScope(shield=True):
+        run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, overrides_from_args(args))
+    except ConfigError as e:
+        print(f"agentloop rollout: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        dataset = _load_data(cfg)
+    except DatasetError as e:
+        print(f"agentloop rollout: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    progress = RolloutProgress(quiet=cfg.quiet)
+    if dataset.bad_rows:
+        shown = "\n  ".join(str(b) for b in dataset.bad_rows[:10])
+        more = f"\n  ... and {len(dataset.bad_rows) - 10} more" if len(dataset.bad_rows) > 10 else ""
+        print(f"agentloop rollout: skipped {len(dataset.bad_rows)} bad row(s) of {dataset.path} "
+              f"(on_bad_row=skip):\n  {shown}{more}", file=sys.stderr)
+    state = _Run(cfg, dataset, progress)
+    try:
+        with progress:
+            code = anyio.run(_main, state)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handler was installed, or a second one
+        return EXIT_INTERRUPTED
+    if state.error:
+        print(f"agentloop rollout: {state.error}", file=sys.stderr)
+    _print_result(state, code)
+    return code
+
+
+def _load_data(cfg: RolloutConfig) -> Dataset:
+    from ..agents.base import registered_agents
+    from ..rewards import registered_rewards
+
+    if cfg.data is None:
+        from ..data import arithmetic_prompts
+
+        path: Path = arithmetic_prompts()
+    else:
+        path = Path(cfg.data)
+    return load_dataset(path, on_bad_row=cfg.on_bad_row, known_agents=registered_agents(),
+                        known_rewards=registered_rewards())
+
+
+def _print_result(state: _Run, code: int) -> None:
+    written = state.written
+    if not written:
+        return
+    summary_path = Path(state.cfg.out) / SUMMARY_NAME
+    total = json.loads(summary_path.read_text())["total"] if summary_path.exists() else {}
+    st = total.get("status", {})
+    head = "interrupted" if code == EXIT_INTERRUPTED else ("failed" if code else "done")
+    tps = total.get("tokens_per_second")
+    reward = total.get("reward_mean")
+    reward_s = f"{reward:.3f}" if reward is not None else "n/a"
+    tps_s = f"{tps:.1f}" if tps is not None else "n/a"
+    lines = [
+        f"{head}: {total.get('trajectories', 0)} trajectories in {total.get('steps', 0)} step(s) "
+        f"({', '.join(f'{k} {v}' for k, v in st.items() if v) or 'none finished'}); "
+        f"{total.get('trajectories_with_tool_call', 0)} with tool calls ({total.get('tool_calls', 0)} calls); "
+        f"reward mean {reward_s}; {tps_s} generated tokens/s",
+        "wrote: " + ", ".join(str(p) for p in written),
+    ]
+    print("\n".join(lines))
