@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import anyio
 import pytest
@@ -22,46 +23,11 @@ import torch
 from agentloop.agents import AgentConfig, AgentContext, get_agent
 from agentloop.engine.base import GenerateOutput, SamplingParams
 from agentloop.engine.lifecycle import Lifecycle
-from agentloop.engine.local.process import LocalEngineProcess
 from agentloop.engine.sglang import SGLangClient
 from agentloop.rewards import score
 from agentloop.types import Sample, Trajectory
 
 torch.set_num_threads(1)
-
-
-class Engine:
-    """One CPU engine process for a test module (started and stopped in its own event loop)."""
-
-    def __init__(self, model_dir: Path, tmp: Path) -> None:
-        self.model_dir = model_dir
-        self.proc = LocalEngineProcess(model_dir, log_path=tmp / "serve.log", extra_args=["--seed", "0", "--num-threads", "1"])
-
-    def start(self) -> str:
-        return anyio.run(self.proc.start, 180.0)
-
-    def stop(self) -> None:
-        anyio.run(self.proc.stop)
-
-
-def _engine_fixture(model_dir: Path, tmp: Path) -> Iterator[Engine]:
-    eng = Engine(model_dir, tmp)
-    try:
-        eng.start()
-    except Exception as e:  # say why, with the server log
-        pytest.fail(f"CPU engine did not start: {e}")
-    try:
-        yield eng
-    finally:
-        eng.stop()
-
-
-@pytest.fixture(scope="module")
-def random_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from agentloop.models.random_model import make_random_model
-
-    tmp = tmp_path_factory.mktemp("random_engine")
-    yield from _engine_fixture(make_random_model(tmp / "model", seed=1), tmp)
 
 
 def _tiny_model_dir() -> Path | None:
@@ -73,12 +39,23 @@ def _tiny_model_dir() -> Path | None:
         return None
 
 
+@dataclass
+class Engine:
+    url: str
+    model_dir: Path
+
+
 @pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def random_engine(local_engine: str, random_model_dir: Path) -> Engine:
+    return Engine(local_engine, random_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(start_local_engine: Callable[..., str]) -> Engine:
     d = _tiny_model_dir()
     if d is None:
         pytest.skip("the shipped tiny tool model is not built in this checkout")
-    yield from _engine_fixture(d, tmp_path_factory.mktemp("tiny_engine"))
+    return Engine(start_local_engine(d), d)
 
 
 class Recorder:
@@ -119,7 +96,7 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
     from agentloop.tools.builtin.calculator import CalculatorTool
 
     tok = AutoTokenizer.from_pretrained(str(tiny_engine.model_dir))
-    url = tiny_engine.proc.url
+    url = tiny_engine.url
     client = SGLangClient(url)
     lifecycle = Lifecycle([client])
     tools = ToolRegistry([CalculatorTool()])  # built once, shared by every trajectory
@@ -182,12 +159,12 @@ def _random_ctx(engine: Engine, lifecycle: Lifecycle, uid: str, **cfg: Any) -> t
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(engine.model_dir))
-    rec = Recorder(lifecycle, engine.proc.url, uid)
+    rec = Recorder(lifecycle, engine.url, uid)
     return AgentContext(generate=rec, tokenizer=tok, config=AgentConfig(**cfg)), rec
 
 
 async def test_single_turn_and_replay_over_http(random_engine: Engine) -> None:
-    client = SGLangClient(random_engine.proc.url)
+    client = SGLangClient(random_engine.url)
     lifecycle = Lifecycle([client])
     try:
         ctx, rec = _random_ctx(random_engine, lifecycle, "st", max_new_tokens_per_turn=12,
@@ -214,7 +191,7 @@ async def test_single_turn_and_replay_over_http(random_engine: Engine) -> None:
 
 
 async def test_engine_abort_mid_turn_then_resume_is_a_partial_rollout(random_engine: Engine) -> None:
-    client = SGLangClient(random_engine.proc.url)
+    client = SGLangClient(random_engine.url)
     lifecycle = Lifecycle([client])
     spec = [{"gen_tokens": 3000, "tool_latency_s": 0.0, "tool_result_tokens": 4}, {"gen_tokens": 5}]
     s = Sample(uid="ab", messages=[], agent="replay", extra={"replay": {"prompt_tokens": 16, "turns": spec}})

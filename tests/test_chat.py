@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import string
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,6 +40,13 @@ def tiny_tokenizer() -> Any:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 TOKENIZERS = {
     "qwen": qwen_style_tokenizer,
     "llama3": llama3_style_tokenizer,
@@ -47,11 +54,19 @@ TOKENIZERS = {
 }
 
 
-def get_tok(name: str) -> Any:
-    tok = TOKENIZERS[name]()
-    if tok is None:
-        pytest.skip(f"{name} tokenizer not available")
-    return tok
+@pytest.fixture
+def get_tok(request: pytest.FixtureRequest) -> Callable[[str], Any]:
+    """Tokenizer by name; "random" is the one `make_random_model` ships (plain ChatML, no tools)."""
+
+    def get(name: str) -> Any:
+        if name == "random":
+            return _load_tokenizer(str(request.getfixturevalue("random_model_dir")))
+        tok = TOKENIZERS[name]()
+        if tok is None:
+            pytest.skip(f"{name} tokenizer not available")
+        return tok
+
+    return get
 
 
 def eot_id(tok: Any) -> int:
@@ -112,10 +127,10 @@ def _check_buffer(buf: TokenBuffer, eng: RecordingEngine, *, ends_with_model_tur
     return traj
 
 
-@pytest.mark.parametrize("name", ["qwen", "llama3", "tiny"])
+@pytest.mark.parametrize("name", ["qwen", "llama3", "tiny", "random"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_turns_keep_engine_tokens_verbatim(name: str, data: st.DataObject) -> None:
+def test_random_turns_keep_engine_tokens_verbatim(name: str, get_tok: Callable[[str], Any], data: st.DataObject) -> None:
     tok = get_tok(name)
     vocab = len(tok)
     use_tools = data.draw(st.booleans(), "tools")
@@ -141,10 +156,10 @@ def test_random_turns_keep_engine_tokens_verbatim(name: str, data: st.DataObject
     _check_buffer(buf, eng)
 
 
-@pytest.mark.parametrize("name", ["qwen", "llama3", "tiny"])
-@settings(max_examples=30, deadline=None)
+@pytest.mark.parametrize("name", ["qwen", "llama3", "tiny", "random"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_well_formed_turns_reproduce_the_template_rendering(name: str, data: st.DataObject) -> None:
+def test_well_formed_turns_reproduce_the_template_rendering(name: str, get_tok: Callable[[str], Any], data: st.DataObject) -> None:
     """If each sampled turn is exactly what the template renders for an assistant message, the
     buffer equals the template's rendering of the whole conversation: the deltas are the template's."""
     tok = get_tok(name)
