@@ -467,5 +467,7 @@ def run(args: argparse.Namespace) -> int:
         "return_original_logprob": args.return_original_logprob,
     }
     log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, args.port)
-    web.run_app(build_app(engine, server_args), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(build_app(engine, server_args), host=args.host, port=args.port, print=None, access_log=None,
+                # Cancel a handler whose client went away, so its requests are aborted (SGLang does too).
+                handler_cancellation=True)
     return 0
