@@ -139,13 +139,18 @@ class TemplateDelta:
         n = len(self._base_ids)
         if full_ids[:n] == self._base_ids:
             return full_ids[n:]
-        # Token boundaries moved across the join (a BPE merge): fall back to the text difference.
-        if full_text.startswith(self._base_text):
-            return _encode(self.tokenizer, full_text[len(self._base_text):])
+        # Token boundaries moved across the join (a BPE merge), or the template renders the earlier
+        # turns differently once more messages follow (Qwen3 drops the empty <think> block of an
+        # assistant turn before the last user query). What follows the base assistant's content and
+        # closing is still the delta: the buffer keeps the sampled turn as it was, like the engine saw it.
+        at = full_text.find(_BASE_ASSISTANT)
+        after = at + len(_BASE_ASSISTANT)
+        if at >= 0 and full_text.startswith(self.closing_text, after):
+            return _encode(self.tokenizer, full_text[after + len(self.closing_text):])
         roles = [m.get("role") for m in messages]
         raise ChatTemplateError(
-            f"chat template re-renders earlier turns when messages with roles {roles} follow an assistant "
-            "turn; no token delta exists"
+            f"chat template changes an assistant turn's content or closing when messages with roles {roles} "
+            "follow it; no token delta exists"
         )
 
 

@@ -253,3 +253,25 @@ def test_resume_continues_an_open_turn_and_keeps_versions() -> None:
     assert [x for x, m in zip(t.response_ids, t.response_mask) if m] == [7, 8, 9, 10, im_end]
     # The earlier tokens are untouched.
     assert t.response_ids[: len(old.response_ids)] == old.response_ids
+
+
+def test_template_that_rerenders_earlier_turns_still_gives_the_delta() -> None:
+    """Qwen3-style: an empty <think> block is rendered only for assistant turns after the last user
+    query, so earlier turns change when a user message follows; the delta is what comes after the
+    assistant turn's closing, and the sampled turn stays as sampled."""
+    base = qwen_style_tokenizer()
+    tok = base.__class__(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>")
+    tok.chat_template = (
+        "{%- set ns = namespace(last=-1) %}"
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' and loop.index0 > ns.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{{ m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    buf = TokenBuffer(tok, [{"role": "user", "content": "hi"}])
+    sampled = tok.encode("<think>\n\n</think>\n\nhello", add_special_tokens=False) + [tok.eos_token_id]
+    buf.append_model_turn(GenerateOutput(sampled, [-0.1] * len(sampled), {"type": "stop"}, "v", "r"))
+    delta = buf.append_messages([{"role": "user", "content": "again"}])
+    assert tok.decode(delta) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    assert buf.response_ids[: len(sampled)] == sampled
