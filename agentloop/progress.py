@@ -8,6 +8,7 @@ It only displays; the numbers of record are in `summary.json` (`agentloop.output
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import IO, Any
@@ -40,7 +41,7 @@ class RolloutProgress:
         self.errors = 0
         self.aborted = 0
         self._t_start = time.monotonic()
-        self._last_log = 0.0
+        self._last_log = -math.inf  # the first finished trajectory is always logged
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> "RolloutProgress":

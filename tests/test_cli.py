@@ -1,0 +1,120 @@
+"""`agentloop config` and the settings/data side of `agentloop rollout` (in-process, no engine needed)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agentloop.cli import build_parser, main
+from agentloop.commands.rollout import step_prompts
+from agentloop.progress import RolloutProgress
+from agentloop.rollout_config import ConfigError, RolloutConfig, defaults_yaml, load_config
+from agentloop.types import Sample
+
+
+def test_config_show_is_documented_and_loads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--show"]) == 0
+    text = capsys.readouterr().out
+    assert text == defaults_yaml()
+    # Every field of every level is there with a comment line above it.
+    lines = text.splitlines()
+    for key in ("steps:", "on_bad_row:", "  engine:", "    urls:", "    concurrency:", "    n:", "    max_new_tokens_per_turn:"):
+        i = next(i for i, line in enumerate(lines) if line.startswith(key))
+        assert lines[i - 1].lstrip().startswith("# "), key
+    f = tmp_path / "defaults.yaml"
+    f.write_text(text)
+    assert load_config(f) == RolloutConfig()
+    assert main(["config", "--check", str(f)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["runtime"]["scheduler"]["n"] == 2
+
+
+def test_bad_config_names_field_and_position(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("steps: 2\nruntime:\n  scheduler:\n    concurrency: lots\n  agent:\n    temprature: 0.5\n")
+    assert main(["rollout", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:4:18: runtime.scheduler.concurrency: Input should be a valid integer" in err
+    assert f"{f}:6:5: runtime.agent.temprature: unknown field" in err
+    assert not Path("agentloop-out").exists()
+
+
+def test_yaml_syntax_error_and_non_mapping(tmp_path: Path) -> None:
+    f = tmp_path / "broken.yaml"
+    f.write_text("steps: 2\nruntime: [unclosed\n")
+    with pytest.raises(ConfigError, match=rf"{f}:3:1: invalid YAML"):
+        load_config(f)
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_flags_override_file_and_errors_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 5\nruntime:\n  scheduler:\n    concurrency: 3\n")
+    cfg = load_config(f, {"steps": (1, "--steps"), "runtime.scheduler.n": (4, "--n")})
+    assert cfg.steps == 1 and cfg.runtime.scheduler.n == 4
+    assert cfg.runtime.scheduler.concurrency == 3  # from the file
+    # Nested keys merge over the rollout's runtime defaults instead of replacing them.
+    assert cfg.runtime.agent.max_new_tokens_per_turn == RolloutConfig().runtime.agent.max_new_tokens_per_turn
+    assert main(["rollout", "--config", str(f), "--n", "0"]) == 2
+    assert "--n: runtime.scheduler.n: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert main(["rollout", "--set", "runtime.scheduler.nope=1"]) == 2
+    assert "--set runtime.scheduler.nope: runtime.scheduler.nope: unknown field" in capsys.readouterr().err
+    assert main(["rollout", "--set", "steps"]) == 2
+    assert "expected FIELD=VALUE" in capsys.readouterr().err
+
+
+def test_rollout_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rollout", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--engine-url URL" in out and "(default: 2; config field: steps)" in out
+    assert "config field: runtime.scheduler.n" in out
+
+
+def test_bad_rows_stop_or_skip_before_any_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1 + 2?"}) + "\n{oops\n" + json.dumps({"prompt": ""}) + "\n")
+    out = tmp_path / "out"
+    assert main(["rollout", "--data", str(data), "--out", str(out), "--on-bad-row", "stop"]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:2: invalid JSON" in err
+    assert not out.exists()  # nothing was started, nothing written
+    # An unknown agent loop is a bad row too (checked against the registry before the run).
+    data.write_text(json.dumps({"prompt": "x", "agent": "no_such_loop"}) + "\n")
+    assert main(["rollout", "--data", str(data), "--out", str(out)]) == 2
+    assert f"{data}:1: agent: unknown agent loop 'no_such_loop'" in capsys.readouterr().err
+
+
+def test_step_prompts_wrap_and_keep_uids_unique() -> None:
+    samples = [Sample(uid=f"p{i}", messages=[{"role": "user", "content": str(i)}]) for i in range(5)]
+    s1 = step_prompts(samples, 1, 3)
+    s2 = step_prompts(samples, 2, 3)
+    assert [s.uid for s in s1] == ["p0", "p1", "p2"]
+    assert [s.uid for s in s2] == ["p3", "p4", "p0@1"]
+    assert s2[2].messages == samples[0].messages and samples[0].uid == "p0"
+    assert [s.uid for s in step_prompts(samples, 2, None)] == [f"p{i}@1" for i in range(5)]
+
+
+def test_quiet_progress_writes_plain_lines() -> None:
+    from test_output import make_traj
+
+    buf = io.StringIO()
+    with RolloutProgress(quiet=True, stream=buf, log_every=3600) as p:
+        p.begin_step(1, 2, 3)
+        for i in range(3):
+            p.trajectory_done(make_traj(f"a#{i}", status="failed" if i == 1 else "completed"))
+        p.end_step({"status": {"completed": 2, "failed": 1}, "tool_calls": 3, "tokens_per_second": 10.0,
+                    "seconds": {"wake_up": 0.5, "sleep": 0.25}})
+    lines = buf.getvalue().splitlines()
+    assert "step 1/2: rolling out 3 trajectories" in lines[0]
+    # First and last trajectory are logged (rate-limited in between), with counts.
+    assert "step 1/2: 1/3 done" in lines[1] and "3/3 done" in lines[2] and "1 errors" in lines[2]
+    assert "2 completed" in lines[3] and "wake-up 0.50s, sleep 0.25s" in lines[3]
+    assert "\x1b[" not in buf.getvalue()  # no terminal escapes in log mode

@@ -1,0 +1,199 @@
+"""`agentloop rollout` as a real subprocess: the embedded default (tiny tool model, real tool calls),
+an unreachable engine URL, running engines given by URL, and Ctrl-C in the middle of a step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from agentloop.data import arithmetic_prompts
+from agentloop.types import STATUSES, TimelineEvent, Trajectory, TurnRecord
+
+# Engine processes get one torch thread (the CI machine has 2 cores); turns are short.
+FAST = ["--quiet", "--max-new-tokens", "48", "--set", 'runtime.engine.local_args=["--num-threads", "1"]']
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def rollout_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentloop.cli", "rollout", *args]
+
+
+def run_rollout(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(rollout_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), "last line of the JSONL is not whole"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def as_trajectory(r: dict[str, Any]) -> Trajectory:
+    fields = {k: v for k, v in r.items() if k not in ("step", "weight_versions")}
+    fields["turns"] = [TurnRecord(**t) for t in r["turns"]]
+    fields["timeline"] = [TimelineEvent(**e) for e in r["timeline"]]
+    return Trajectory(**fields)
+
+
+def check_outputs(out: Path, *, steps: int, interrupted: bool = False) -> list[dict[str, Any]]:
+    """Files exist and agree with each other; every trajectory's ids/mask/logprobs are consistent."""
+    leftovers = [p.name for p in out.iterdir() if p.name.startswith(".") or p.name.endswith((".partial", ".tmp"))]
+    assert leftovers == [], f"temporary files left behind: {leftovers}"
+    rows = read_jsonl(out / "trajectories.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is interrupted
+    for r in rows:
+        t = as_trajectory(r)
+        t.check_invariants()  # lengths agree; mask-1 spans are exactly the recorded model turns
+        for m, lp in zip(t.response_mask, t.response_logprobs):
+            if m == 1:
+                assert lp is not None and math.isfinite(lp) and lp <= 0.0
+            else:
+                assert lp == 0.0
+        assert t.status in STATUSES
+        assert r["weight_versions"] == [turn.weight_version for turn in t.turns]
+        assert len(t.prompt_ids) > 0 and t.group_id and t.uid.startswith(t.group_id)
+    # summary.json counts are the JSONL's counts, per step and in total.
+    total = summary["total"]
+    assert total["trajectories"] == len(rows)
+    assert total["status"] == {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    assert total["tool_calls"] == sum(r["tool_calls"] for r in rows)
+    assert total["generated_tokens"] == sum(sum(r["response_mask"]) for r in rows)
+    assert len(summary["per_step"]) == steps
+    for ps in summary["per_step"]:
+        mine = [r for r in rows if r["step"] == ps["step"]]
+        assert ps["trajectories"] == len(mine)
+        assert ps["status"] == {s: sum(r["status"] == s for r in mine) for s in STATUSES}
+        assert {"resume_weights", "update_weights", "resume_kv_cache"} <= set(ps["wake_up_stages"])
+        assert {"pause", "flush_cache", "release"} <= set(ps["sleep_stages"])
+    # Parquet holds the same trajectories, one row each.
+    table = pq.read_table(out / "trajectories.parquet").to_pylist()
+    assert [(r["uid"], r["step"]) for r in table] == [(r["uid"], r["step"]) for r in rows]
+    for pr, r in zip(table, rows):
+        assert pr["response_ids"] == r["response_ids"] and pr["response_mask"] == r["response_mask"]
+        assert json.loads(pr["messages"]) == r["messages"]
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == PNG_MAGIC and len(png) > 10_000
+    return rows
+
+
+def test_default_embedded_rollout_does_real_tool_calls(tmp_path: Path) -> None:
+    """`agentloop rollout` with no engine URL: embedded CPU engine, shipped tiny tool model,
+    two steps of wake → roll out → sleep; a bad data row is skipped and reported, not dropped silently."""
+    data = tmp_path / "prompts.jsonl"
+    lines = arithmetic_prompts().read_text().splitlines()[:8]
+    data.write_text("\n".join(lines[:3] + ['{"prompt": 42}'] + lines[3:]) + "\n")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    res = run_rollout("--data", str(data), "--out", str(out), "--prompts-per-step", "4", "--n", "2", *FAST)
+    wall = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    assert f"skipped 1 bad row(s) of {data}" in res.stderr and f"{data}:4: prompt:" in res.stderr
+    rows = check_outputs(out, steps=2)
+    assert len(rows) == 2 * 4 * 2
+    assert [r["step"] for r in rows].count(1) == 8 and [r["step"] for r in rows].count(2) == 8
+    # Step 2 takes the next prompts; GRPO groups of n=2 share their prompt's group_id.
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r["index_in_group"])
+    assert len(groups) == 8 and all(sorted(v) == [0, 1] for v in groups.values())
+    # The tiny model really calls the calculator: at least half the trajectories hold a tool call
+    # and a tool result, and the tool results are the calculator's values.
+    with_tools = [r for r in rows if r["tool_calls"] > 0
+                  and any(m["role"] == "assistant" and m.get("tool_calls") for m in r["messages"])
+                  and any(m["role"] == "tool" for m in r["messages"])]
+    assert len(with_tools) >= len(rows) / 2, [r["messages"] for r in rows[:3]]
+    # Multi-turn: a tool result sits between model turns, as mask-0 tokens.
+    assert any(0 in r["response_mask"] and r["num_turns"] >= 2 for r in with_tools)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bad_rows"] == 1 and summary["total"]["reward_mean"] is not None
+    assert summary["total"]["trajectories_with_tool_call"] >= len(rows) / 2
+    # `extra` from the data row is carried through to the trajectory.
+    assert all("expected_calls" in r["extra"] for r in rows)
+    print(f"default rollout: {wall:.1f}s wall, {summary['total']['tokens_per_second']:.0f} tok/s")
+
+
+def test_unreachable_engine_url(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    previous = out / "summary.json"
+    previous.write_text('{"from": "an earlier run"}\n')
+    url = "http://127.0.0.1:9"  # discard port: nothing listens there
+    res = run_rollout("--engine-url", url, "--out", str(out), "--quiet", timeout=120)
+    assert res.returncode == 1
+    assert f"cannot reach the engine server at {url}" in res.stderr
+    assert "Traceback" not in res.stderr
+    # Nothing was started, so the folder is untouched: no partial or corrupt files, the old file intact.
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+    assert previous.read_text() == '{"from": "an earlier run"}\n'
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture(scope="module")
+def two_engines(start_local_engine: Any, random_model_dir: Path) -> list[str]:
+    return [start_local_engine(random_model_dir), start_local_engine(random_model_dir)]
+
+
+def test_engine_urls_drives_running_servers(tmp_path: Path, two_engines: list[str]) -> None:
+    out = tmp_path / "out"
+    args = [x for url in two_engines for x in ("--engine-url", url)]
+    res = run_rollout(*args, "--out", str(out), "--prompts-per-step", "4", "--n", "2", "--steps", "2", *FAST)
+    assert res.returncode == 0, res.stderr
+    rows = check_outputs(out, steps=2)
+    assert len(rows) == 16
+    used = {url for r in rows for url in r["extra"].get("servers", [])}
+    assert used == set(two_engines)  # routed across both servers
+    # The engines we do not own are left asleep (memory released), not stopped.
+    for url in two_engines:
+        assert _health(url) == 503
+
+
+def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
+    out = tmp_path / "out"
+    url = two_engines[0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        rollout_cmd("--engine-url", url, "--out", str(out), "--prompts-per-step", "16", "--n", "2", "--steps", "5",
+                    "--quiet", "--max-new-tokens", "64", "--concurrency", "8"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stderr is not None
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until trajectories are finishing (mid-step)
+            line = proc.stderr.readline()
+            seen.append(line)
+            if " done, " in line or not line:
+                break
+        assert any(" done, " in s for s in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(seen) + stderr
+    assert "SIGINT: stopping" in stderr and "interrupted:" in stdout
+    rows = check_outputs(out, steps=1, interrupted=True)
+    assert 1 <= len(rows) < 5 * 16 * 2
+    assert _health(url) == 503  # in-flight requests aborted, engine memory released: asleep
