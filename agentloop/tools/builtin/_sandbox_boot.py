@@ -1,4 +1,4 @@
-"""Bootstrap of the `python` tool's child interpreter (run as `python -I -S -B _sandbox_boot.py CONFIG`).
+"""Bootstrap of the `python` tool's child interpreter (run as `python -I -S -B -u _sandbox_boot.py CONFIG`).
 
 It is the first code in the child and uses only the standard library. In order, it:
 1. reads the model's code from stdin (then stdin is /dev/null),
@@ -9,11 +9,16 @@ It is the first code in the child and uses only the standard library. In order, 
 5. installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
    - opening a file for writing, or any path-changing os call (mkdir, remove, rename, link, chmod, ...),
      outside the scratch directory (paths are resolved with realpath, so symlinks do not escape),
+   - reading or listing anything but the scratch directory, the interpreter's import path and a few
+     harmless files (unless the parent turned `restrict_reads` off): no secrets from /proc/*/environ,
+     home directories or configs reach the model,
    - opening directories (a directory fd would let `os.*(dir_fd=...)` resolve paths the hook never sees),
    - chdir out of the scratch directory,
    - creating processes (fork, exec, spawn, system, subprocess), signalling processes, changing limits,
-   - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc (ctypes could patch
-     the interpreter's memory and gc could find the hook function; both would defeat the hook),
+   - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/... (ctypes
+     could patch the interpreter's memory and gc could find the hook function; sqlite3/dbm write files
+     from C without an "open" event),
+   and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod` from os/posix/signal,
 6. runs the code as `__main__` in a fresh module namespace.
 
 Audit hooks are not a sandbox against native code, which is why ctypes is refused and why the parent
@@ -60,25 +65,40 @@ def _set_limits(cfg, uid):
         resource.setrlimit(which, (value, new_hard))
 
 
-def _make_hook(scratch, blocked_imports):
+def _make_hook(scratch, blocked_imports, readable):
+    """The audit hook. Everything it needs is bound here (no module globals the code could reach)."""
     sep = os.sep
-    realpath, isdir, fsdecode = os.path.realpath, os.path.isdir, os.fsdecode
+    realpath, isdir, fsdecode, readlink = os.path.realpath, os.path.isdir, os.fsdecode, os.readlink
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     blocked_events = frozenset((
         "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
         "os.kill", "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit", "pty.spawn",
     ))
-    blocked_prefixes = ("socket.", "ctypes.", "_posixsubprocess.")
+    blocked_prefixes = ("socket.", "ctypes.", "_posixsubprocess.", "sqlite3.", "dbm.")
     # event -> how many leading arguments are paths that the call changes
     mutating = {"os.mkdir": 1, "os.rmdir": 1, "os.remove": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
                 "os.truncate": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1, "os.removexattr": 1,
                 "os.rename": 2, "os.link": 2}
+    roots = tuple(readable) if readable is not None else None
+
+    def under(real, root):
+        return real == root or real.startswith(root if root.endswith(sep) else root + sep)
 
     def inside(path):
-        if isinstance(path, int):  # an fd that is already open was checked when it was opened
+        if isinstance(path, int):  # f-functions (fchmod, futimes, ...): judge the file the fd refers to
+            if path < 0:
+                return True
+            try:
+                path = readlink("/proc/self/fd/%d" % path)
+            except OSError:
+                return False
+        return under(realpath(fsdecode(path)), scratch)
+
+    def may_read(path):
+        if isinstance(path, int):
             return True
         real = realpath(fsdecode(path))
-        return real == scratch or real.startswith(scratch + sep)
+        return under(real, scratch) or any(under(real, r) for r in roots)
 
     def deny(what):
         raise PermissionError("sandbox: " + what)
@@ -99,8 +119,13 @@ def _make_hook(scratch, blocked_imports):
                     deny("writing %r refused: outside the scratch directory" % fsdecode(path))
             elif isdir(path):
                 deny("opening directory %r refused; use os.listdir/os.scandir" % fsdecode(path))
+            elif roots is not None and not may_read(path):
+                deny("reading %r refused: only the scratch directory and the Python library are readable" % fsdecode(path))
+        elif event in ("os.listdir", "os.scandir"):
+            if args[0] is not None and not may_read(args[0] if args[0] != "" else "."):
+                deny("listing %r refused: outside the scratch directory and the Python library" % fsdecode(args[0]))
         elif event in blocked_events or event.startswith(blocked_prefixes):
-            deny(event + " refused: no processes, signals, limit changes or network in the sandbox")
+            deny(event + " refused: no processes, signals, limit changes, databases or network in the sandbox")
         elif event == "os.chdir":
             if not inside(args[0]):
                 deny("chdir to %r refused: outside the scratch directory" % fsdecode(args[0]))
@@ -113,6 +138,35 @@ def _make_hook(scratch, blocked_imports):
                     deny("%s on %r refused: outside the scratch directory" % (event, fsdecode(p)))
 
     return hook
+
+
+def _readable_roots(cfg):
+    """What the code may read besides its scratch directory: the interpreter's import path (so the
+    standard library imports), a few harmless device/zoneinfo files, its own /proc entry, and any
+    extra paths the parent configured. None = reads are not restricted."""
+    if not cfg.get("restrict_reads", True):
+        return None
+    roots = [os.path.realpath(p) for p in sys.path if p]
+    roots += [os.path.realpath(os.path.dirname(os.__file__))]
+    roots += ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/usr/share/zoneinfo", "/etc/localtime",
+              "/proc/%d" % os.getpid()]
+    roots += [os.path.realpath(p) for p in cfg.get("readable_paths", ())]
+    return [os.path.realpath(r) for r in roots]
+
+
+def _strip_unaudited():
+    """Functions that signal processes or create files without an audit event: removed from every
+    module that exports them (re-importing those modules is refused by the hook)."""
+    import posix
+    import signal
+
+    import _signal
+
+    unaudited = ("pidfd_open", "mkfifo", "mknod")  # signal a process by fd; create files
+    for mod, names in ((os, unaudited), (posix, unaudited), (signal, ("pidfd_send_signal",)),
+                       (_signal, ("pidfd_send_signal",))):
+        for n in names:
+            mod.__dict__.pop(n, None)
 
 
 def _main():
@@ -130,7 +184,13 @@ def _main():
     scratch = os.path.realpath(cfg["scratch"])
     os.chdir(scratch)
     sys.argv = ["<tool code>"]
-    sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"])))
+    import shutil
+
+    # Directory fds are refused (see the hook), so rmtree must walk by path (still audited per path).
+    shutil._use_fd_functions = False
+    readable = _readable_roots(cfg)
+    _strip_unaudited()
+    sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"]), readable))
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main  # the code must not reach this bootstrap module's namespace
@@ -151,6 +211,7 @@ def _run(code, ns, source):
     except SystemExit:
         raise
     except BaseException as e:  # print the traceback without this bootstrap's frame, with source lines
+        sys.stdout.flush()
         import linecache
         import traceback
 

@@ -11,6 +11,8 @@ child `python -I -S -B` started without blocking the event loop (anyio subproces
 - no writes outside the scratch directory: the audit hook refuses opening for writing and path-changing
   os calls outside it (see `_sandbox_boot.py` for the full list); when the worker runs as root and an
   unprivileged uid can run the interpreter, the child also drops to that uid (`nobody`);
+- no reads outside the scratch directory and the interpreter's import path (`restrict_reads`), so
+  secrets of the worker (environment, /proc, home directory) never reach the model;
 - a wall-clock timeout after which the child's whole process group is killed (also on cancellation);
 - stdout and stderr are captured up to a byte cap each (the rest is drained and counted, so a chatty
   child cannot block on a full pipe), decoded leniently, and returned with the exit status.
@@ -37,8 +39,13 @@ from ..base import Tool, ToolContext, ToolError
 __all__ = ["PythonTool", "SandboxOutput", "sandbox_capabilities"]
 
 _BOOT = Path(__file__).with_name("_sandbox_boot.py")
+# Modules that reach the network, create processes, write files from C (bypassing the "open" audit
+# event), touch interpreter memory, or could find the audit hook; `posix`/`_signal` may not be
+# re-imported because the bootstrap strips unaudited process functions from them.
 BLOCKED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "_posixsubprocess", "gc",
-                   "_xxsubinterpreters", "_testcapi", "_testinternalcapi", "faulthandler")
+                   "_xxsubinterpreters", "_testcapi", "_testinternalcapi", "faulthandler", "_sqlite3", "sqlite3",
+                   "_dbm", "_gdbm", "dbm", "_multiprocessing", "_posixshmem", "posix", "_signal", "readline",
+                   "_tkinter", "_curses", "_ctypes_test", "_testbuffer", "_testmultiphase", "_testimportmultiple")
 NOBODY = 65534
 
 
@@ -155,6 +162,8 @@ class PythonTool(Tool):
         python: str | None = None,
         allow_site_packages: bool = False,
         extra_blocked_imports: list[str] | None = None,
+        restrict_reads: bool = True,
+        readable_paths: list[str] | None = None,
     ) -> None:
         if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0:
             raise ValueError("timeout, cpu_seconds and memory_mb must be positive")
@@ -170,6 +179,8 @@ class PythonTool(Tool):
         self.python = python or sys.executable
         self.allow_site_packages = allow_site_packages
         self.blocked_imports = sorted(set(BLOCKED_IMPORTS) | set(extra_blocked_imports or ()))
+        self.restrict_reads = restrict_reads
+        self.readable_paths = [str(p) for p in (readable_paths or ())]
 
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
         code = arguments.get("code")
@@ -232,8 +243,11 @@ class PythonTool(Tool):
             "uid": caps.drop_uid,
             "gid": caps.drop_uid,
             "blocked_imports": self.blocked_imports,
+            "restrict_reads": self.restrict_reads,
+            "readable_paths": self.readable_paths,
         }
-        flags = ["-I", "-B"] + ([] if self.allow_site_packages else ["-S"])
+        # -u: unbuffered, so what was printed before a kill (timeout, CPU limit) still comes back.
+        flags = ["-I", "-B", "-u"] + ([] if self.allow_site_packages else ["-S"])
         cmd = [*caps.unshare_prefix, self.python, *flags, str(_BOOT), json.dumps(cfg)]
         env = {
             "PATH": "/usr/bin:/bin",

@@ -1,0 +1,303 @@
+"""The `python` tool's sandbox, each promise shown by a test: output and tracebacks come back; the
+network is refused; CPU time, memory, file size and wall-clock limits kill or stop the code; nothing
+outside the scratch directory can be written (nor read); the scratch directory is deleted; an infinite
+loop or a fork bomb does not stall the event loop; cancellation kills the child; the audit hook cannot
+be switched off from inside."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+
+import anyio
+import pytest
+
+from agentloop.tools import ToolContext, ToolError, ToolRegistry
+from agentloop.tools.builtin.python import PythonTool, sandbox_capabilities
+from agentloop.tools.parsers import ToolCall
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def children() -> set[int]:
+    """Live child processes of this test process."""
+    me, out = os.getpid(), set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == me and fields[0] != "Z":
+                    out.add(int(name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+async def run(tool: PythonTool, code: str) -> str:
+    return await tool.execute({"code": textwrap.dedent(code)}, ToolContext("t"))
+
+
+class Ticker:
+    """Counts ticks of a coroutine that sleeps `period` each time; a blocked event loop shows as a gap."""
+
+    def __init__(self, period: float = 0.01) -> None:
+        self.period, self.ticks, self.max_gap = period, 0, 0.0
+
+    async def __call__(self) -> None:
+        last = anyio.current_time()
+        while True:
+            await anyio.sleep(self.period)
+            now = anyio.current_time()
+            self.ticks += 1
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+
+
+async def test_output_exit_status_and_traceback_without_sandbox_frames():
+    t = PythonTool()
+    assert await run(t, "print(6 * 7)") == "42"
+    assert await run(t, "x = 1") == "(no output)"
+    out = await run(t, """
+        import sys
+        print("partial")
+        def f():
+            return 1 / 0
+        f()
+    """)
+    assert out.startswith("partial\nTraceback (most recent call last):")
+    assert 'File "<tool code>", line 5, in f' in out and "return 1 / 0" in out and "ZeroDivisionError" in out
+    assert "_sandbox_boot" not in out and out.endswith("(exit status 1)")
+    assert (await run(t, "import sys; print('bye', file=sys.stderr); sys.exit(3)")).splitlines() == ["bye", "(exit status 3)"]
+
+
+async def test_refuses_network(tmp_path):
+    hits = 0
+
+    async def handle(stream):
+        nonlocal hits
+        hits += 1
+        await stream.aclose()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    attempts = [
+        f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)",
+        f"import _socket; s = _socket.socket(); s.connect(('127.0.0.1', {port}))",
+        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=2)",
+        f"import http.client; http.client.HTTPConnection('127.0.0.1', {port}).request('GET', '/')",
+        f"import asyncio; asyncio.run(asyncio.open_connection('127.0.0.1', {port}))",
+    ]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        for use_ns in (True, False):  # the audit hook refuses even where no network namespace is available
+            t = PythonTool(use_namespaces=use_ns, timeout=20)
+            for code in attempts:
+                out = await run(t, code)
+                assert "sandbox: import of" in out and "is not allowed" in out, out
+        await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
+    assert hits == 0
+
+
+async def test_network_namespace_when_available():
+    caps = await sandbox_capabilities()
+    if not caps.unshare_prefix:
+        pytest.skip("unshare cannot create a network namespace on this host (the audit hook still refuses sockets)")
+    out = await run(PythonTool(), "print(open('/proc/self/net/dev').read())")
+    interfaces = [line.split(":")[0].strip() for line in out.splitlines()[2:] if ":" in line]
+    assert interfaces == ["lo"], out  # only a (down) loopback: no route anywhere
+
+
+async def test_killed_past_cpu_time_limit():
+    t = PythonTool(cpu_seconds=1, timeout=60)
+    t0 = anyio.current_time()
+    res = await t.run_code("while True: pass")
+    assert res.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not res.timed_out
+    assert anyio.current_time() - t0 < 30  # stopped by CPU time, long before the wall clock
+    with pytest.raises(ToolError, match="CPU time limit of 1 seconds exceeded"):
+        t.format(res)
+
+
+async def test_memory_limit():
+    t = PythonTool(memory_mb=128)
+    assert await run(t, "b = bytearray(32 * 1024 * 1024); print(len(b))") == str(32 * 1024 * 1024)
+    out = await run(t, "b = bytearray(512 * 1024 * 1024)")
+    assert "MemoryError" in out and "memory limit of 128 MiB exceeded" in out
+    out = await run(t, """
+        chunks = []
+        while True:
+            chunks.append(bytearray(8 * 1024 * 1024))
+    """)
+    assert "MemoryError" in out
+
+
+async def test_file_size_limit():
+    out = await run(PythonTool(max_file_mb=1), "open('big', 'wb').write(b'x' * (2 * 1024 * 1024))")
+    assert "File too large" in out
+
+
+WRITE_ESCAPES = {
+    "open_w": "open(OUT + '/new.txt', 'w').write('x')",
+    "open_a": "open(VICTIM, 'a').write('x')",
+    "os_open": "import os; os.write(os.open(OUT + '/new.txt', os.O_WRONLY | os.O_CREAT), b'x')",
+    "os_open_rdwr": "import os; os.write(os.open(VICTIM, os.O_RDWR), b'x')",
+    "pathlib": "import pathlib; pathlib.Path(OUT, 'new.txt').write_text('x')",
+    "remove": "import os; os.remove(VICTIM)",
+    "rename_out": "import os; os.rename(VICTIM, 'stolen')",
+    "replace_in": "import os; open('mine', 'w').write('x'); os.replace('mine', VICTIM)",
+    "hardlink": "import os; os.link(VICTIM, 'hl'); open('hl', 'w').write('x')",
+    "symlink": "import os; os.symlink(VICTIM, 'sl'); open('sl', 'w').write('x')",
+    "symlink_dir": "import os; os.symlink(OUT, 'sd'); open('sd/new.txt', 'w').write('x')",
+    "mkdir": "import os; os.mkdir(OUT + '/newdir')",
+    "chmod": "import os; os.chmod(VICTIM, 0o777)",
+    "truncate": "import os; os.truncate(VICTIM, 0)",
+    "utime": "import os; os.utime(VICTIM, (0, 0))",
+    "chdir": "import os; os.chdir(OUT); open('new.txt', 'w').write('x')",
+    "relative": "open('../../../../../../../..' + OUT + '/new.txt', 'w').write('x')",
+    "shutil": "import shutil; open('mine', 'w').write('x'); shutil.copy('mine', OUT + '/new.txt')",
+    "dir_fd": "import os; fd = os.open(OUT, os.O_RDONLY); os.write(os.open('new.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd), b'x')",
+    "mkfifo": "import os; os.mkfifo(OUT + '/fifo')",
+    "mknod": "import posix; posix.mknod(OUT + '/node')",
+    "fchmod": "import os, sys; fd = os.open(sys.executable, os.O_RDONLY); os.fchmod(fd, 0o777)",
+    "futime": "import os, sys; fd = os.open(sys.executable, os.O_RDONLY); os.utime(fd, (0, 0))",
+    "sqlite": "import sqlite3; sqlite3.connect(OUT + '/db').execute('create table t(x)')",
+    "tempfile_dir": "import tempfile; tempfile.mkstemp(dir=OUT)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITE_ESCAPES))
+async def test_cannot_write_outside_scratch(tmp_path, name):
+    out_dir = tmp_path / "outside"
+    out_dir.mkdir()
+    victim = out_dir / "victim.txt"
+    victim.write_text("original")
+    os.chmod(victim, 0o644)
+    before = victim.stat()
+    code = f"OUT = {str(out_dir)!r}; VICTIM = {str(victim)!r}\n" + WRITE_ESCAPES[name]
+    out = await run(PythonTool(), code)
+    assert ("sandbox:" in out and ("refused" in out or "not allowed" in out)) or "has no attribute 'mk" in out, out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["victim.txt"]
+    after = victim.stat()
+    assert victim.read_text() == "original" and after.st_mode == before.st_mode and after.st_mtime == before.st_mtime
+    assert after.st_nlink == 1
+
+
+async def test_scratch_is_cwd_home_and_tmp_and_is_deleted(tmp_path):
+    t = PythonTool(scratch_root=str(tmp_path))
+    out = await run(t, """
+        import os, tempfile, shutil
+        os.makedirs("a/b")
+        open("a/b/f.txt", "w").write("hello")
+        shutil.copytree("a", "c")
+        shutil.rmtree("a")
+        print(os.getcwd())
+        print(os.environ["HOME"] == os.getcwd() == os.path.dirname(tempfile.mkstemp()[1]))
+        print(sorted(os.listdir(".")), open("c/b/f.txt").read())
+    """)
+    lines = out.splitlines()
+    assert lines[0].startswith(str(tmp_path)) and lines[1] == "True"
+    assert lines[2].startswith("['c', 'tmp") and lines[2].endswith("hello")
+    assert list(tmp_path.iterdir()) == []  # deleted afterwards
+    # the per-trajectory scratch dir of the context is used as the parent when given
+    ctx = ToolContext("t", scratch_dir=tmp_path)
+    assert (await t.execute({"code": "import os; print(os.getcwd())"}, ctx)).startswith(str(tmp_path))
+
+
+async def test_reads_restricted_to_scratch_and_python_library():
+    t = PythonTool()
+    for code in ["open('/etc/passwd').read()", f"open('/proc/{os.getpid()}/environ').read()", "import os; os.listdir('/')",
+                 f"open({__file__!r}).read()"]:
+        out = await run(t, code)
+        assert "sandbox:" in out and "refused" in out, out
+    assert await run(t, "import json, decimal, zoneinfo; print(json.dumps({'a': 1}))") == '{"a": 1}'
+    assert "root:" in await run(PythonTool(restrict_reads=False), "print(open('/etc/passwd').read())")
+    assert "root:" in await run(PythonTool(readable_paths=["/etc/passwd"]), "print(open('/etc/passwd').read())")
+
+
+@pytest.mark.parametrize("code", [
+    "import gc",
+    "import ctypes",
+    "import resource; resource.setrlimit(resource.RLIMIT_CPU, (1000, 1000))",
+    "import os; os.kill(os.getppid(), 9)",
+    "import os; os.killpg(0, 9)",
+    "import signal; signal.pidfd_send_signal",
+    "import sys; del sys.modules['posix']; import posix",
+    "import sys; sys.addaudithook(lambda *a: None); open('/etc/passwd', 'a')",  # a new hook cannot undo ours
+    "import __main__; print(sorted(k for k in vars(__main__) if not k.startswith('__')) or 'clean'); raise SystemExit(sorted(vars(__main__)) != sorted(globals()) and 'leak')",
+])
+async def test_sandbox_cannot_be_switched_off_from_inside(code):
+    out = await run(PythonTool(), code)
+    assert ("sandbox:" in out or "has no attribute 'pidfd_send_signal'" in out or out == "clean"), out
+
+
+async def test_infinite_loop_does_not_stall_the_event_loop():
+    t = PythonTool(timeout=1.5, cpu_seconds=60)
+    tick = Ticker()
+    before = children()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        with pytest.raises(ToolError, match="timed out after 1.5 seconds"):
+            await run(t, "while True: pass")
+        tg.cancel_scope.cancel()
+    assert tick.ticks >= 30 and tick.max_gap < 0.5, (tick.ticks, tick.max_gap)
+    assert children() <= before  # the process group was killed and reaped
+
+
+@pytest.mark.parametrize("code", [  # each keeps trying until it is killed
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except PermissionError:\n        pass",
+    "while True:\n    try:\n        import subprocess\n        subprocess.Popen(['sh', '-c', ':(){ :|:& };:'])\n    except Exception:\n        pass",
+    "import os\nwhile True:\n    try:\n        os.system(':(){ :|:& };:')\n    except PermissionError:\n        pass",
+    "while True:\n    try:\n        import multiprocessing\n        multiprocessing.Process(target=print).start()\n    except Exception:\n        pass",
+    "import os\nwhile True:\n    try:\n        os.posix_spawn('/bin/sh', ['sh'], {})\n    except PermissionError:\n        pass",
+    "import threading, time\nwhile True:\n    try:\n        threading.Thread(target=time.sleep, args=(100,)).start()\n    except Exception:\n        pass",
+])
+async def test_fork_bomb_is_contained_and_does_not_stall_the_event_loop(code):
+    t = PythonTool(timeout=1.5)
+    tick = Ticker()
+    before = children()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        with pytest.raises(ToolError, match="timed out|CPU time"):
+            await run(t, code)
+        tg.cancel_scope.cancel()
+    assert tick.ticks >= 30 and tick.max_gap < 0.5, (tick.ticks, tick.max_gap)
+    assert children() <= before
+    out = await run(PythonTool(), "import os; os.fork()")
+    assert "sandbox: os.fork refused" in out
+
+
+async def test_cancellation_kills_the_child_and_removes_scratch(tmp_path):
+    t = PythonTool(timeout=60, scratch_root=str(tmp_path))
+    before = children()
+    with anyio.move_on_after(1.0) as scope:
+        await run(t, "import time\nwhile True: time.sleep(0.05)")
+    assert scope.cancelled_caught
+    assert children() <= before and list(tmp_path.iterdir()) == []
+
+
+async def test_output_is_capped_and_drained():
+    t = PythonTool(max_output_bytes=1000)
+    out = await run(t, "import sys\nprint('x' * 200000)\nprint('e' * 5000, file=sys.stderr)\nprint('done', file=sys.stderr)")
+    assert out.startswith("x" * 1000 + "\n...(stdout truncated: 199001 more bytes)\n" + "e" * 1000)
+    assert out.endswith("...(stderr truncated: 4006 more bytes)")  # the child was never blocked on a full pipe
+
+
+async def test_through_the_registry_calls_run_in_parallel_and_time_out():
+    reg = ToolRegistry([PythonTool(timeout=30)])
+    code = "import time; time.sleep(1); print('ok')"
+    before = children()
+    t0 = anyio.current_time()
+    res = await reg.execute_calls(
+        [ToolCall("python", {"code": code}, ""), ToolCall("python", {"code": code}, ""),
+         ToolCall("python", {"code": "import time; time.sleep(100)"}, "")],
+        context=ToolContext("t"), timeout=3, max_parallel=3,
+    )
+    elapsed = anyio.current_time() - t0
+    assert [r.content for r in res[:2]] == ["ok", "ok"]
+    assert res[2].error_kind == "timeout" and res[2].content == "Error: tool 'python' timed out after 3 seconds"
+    assert elapsed < 8  # the sleeps overlapped
+    assert children() <= before
+    bad = await reg.execute_calls([ToolCall("python", {"source": "1"}, "")], context=ToolContext("t"), timeout=3, max_parallel=1)
+    assert bad[0].error_kind == "bad_arguments" and "'code' is a required property" in bad[0].content
