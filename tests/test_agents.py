@@ -327,3 +327,19 @@ async def test_replay_follows_the_spec() -> None:
     bad = Sample(uid="r1", messages=[], extra={"replay": [{"gen_tokens": 0}]})
     traj = await get_agent("replay").run(bad, ctx)
     assert traj.status == "failed" and "gen_tokens" in traj.error
+
+
+async def test_abort_before_the_first_token_leaves_no_turn_and_resume_starts_it_afresh() -> None:
+    tok = qwen_style_tokenizer()
+
+    def not_dispatched(ids: list[int], p: SamplingParams) -> GenerateOutput:
+        return GenerateOutput([], [], {"type": "abort", "message": "stopped"}, "", "r")
+
+    eng = ScriptedEngine(tok, [not_dispatched])
+    partial = await get_agent("tool").run(sample(), make_ctx(eng, None))
+    assert (partial.status, partial.num_turns, partial.turns, partial.response_ids) == ("aborted", 0, [], [])
+    eng2 = ScriptedEngine(tok, ["The answer is 5."])
+    traj = await get_agent("tool").run(sample(resume_from=partial), make_ctx(eng2, None))
+    assert traj.status == "completed" and traj.num_turns == 1
+    assert eng2.inputs[0] == partial.prompt_ids
+    assert_exact(traj, eng2)

@@ -128,11 +128,14 @@ class Episode:
         t0 = self.clock()
         out = await self.ctx.generate(self.buffer.ids, params)
         t1 = self.clock()
-        self.buffer.append_model_turn(out, generate_seconds=t1 - t0)
         self.timeline.append(TimelineEvent("generate", t0, t1))
         self.metrics["generate_seconds"] += t1 - t0
-        if not continuing and (out.output_ids or not out.aborted):
-            # An abort before the first token leaves no message: a resume starts that turn afresh.
+        if out.aborted and not out.output_ids:
+            # Aborted (or never dispatched) before its first token: no turn to record; a resume
+            # starts this turn afresh.
+            return out
+        self.buffer.append_model_turn(out, generate_seconds=t1 - t0)
+        if not continuing:
             self.assistant_turns += 1
         if out.finish_type == "length" and n < want and len(out.output_ids) >= n:
             # Cut by the budget rather than the per-turn limit: say which budget.
