@@ -1,0 +1,162 @@
+"""Router over in-process engine doubles: stickiness, least-outstanding choice, failover, errors, stop."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from agentloop.agents.base import AgentConfig
+from agentloop.config import SchedulerConfig
+from agentloop.engine.base import EngineError, EngineUnavailable, SamplingParams
+from agentloop.engine.lifecycle import Lifecycle
+from agentloop.engine.router import Router
+from agentloop.scheduler import Scheduler
+
+from test_scheduler_support import FakeEngine, length_reward, samples
+
+pytestmark = pytest.mark.anyio
+P = SamplingParams(max_new_tokens=3)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def scheduler(router: Router, **cfg) -> Scheduler:
+    return Scheduler(router, tokenizer=None, agent_config=AgentConfig(), config=SchedulerConfig(**cfg), reward_fn=length_reward)
+
+
+async def test_sticky_and_balanced() -> None:
+    a, b = FakeEngine("http://a"), FakeEngine("http://b")
+    router = Router(Lifecycle([a, b]))
+    res = await scheduler(router, concurrency=8).run(samples(6, turns=3, tokens=2, tool_delay=0.01))
+    assert all(t.status == "completed" for t in res.trajectories)
+    for t in res.trajectories:
+        on_a = [rid for rid, _ in a.generates if rid.startswith(t.uid + "-")]
+        on_b = [rid for rid, _ in b.generates if rid.startswith(t.uid + "-")]
+        assert sorted([len(on_a), len(on_b)]) == [0, 3]  # every turn on the same server
+        assert len(t.extra["servers"]) == 1 and {turn.server_url for turn in t.turns} == set(t.extra["servers"])
+    assert len(a.generates) == len(b.generates) == 9  # 3 trajectories each
+    assert router.bound() == {"http://a": 0, "http://b": 0}  # released when the trajectories ended
+    assert router.outstanding() == {"http://a": 0, "http://b": 0}
+    assert len({rid for rid, _ in a.generates + b.generates}) == 18  # a unique rid per request
+
+
+async def test_new_trajectory_goes_to_least_outstanding_server() -> None:
+    a, b = FakeEngine("http://a", token_delay=0.05), FakeEngine("http://b")
+    router = Router(Lifecycle([a, b]))
+    busy = router.session("busy")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(busy, [1, 2], SamplingParams(max_new_tokens=20))
+        await anyio.sleep(0.05)
+        assert router.outstanding() == {"http://a": 1, "http://b": 0}
+        s = router.session("new")
+        out = await s([1, 2, 3], P)
+        assert out.server_url == "http://b"
+        s.close()
+        tg.cancel_scope.cancel()
+
+
+async def test_dead_server_taken_out_and_turns_retried_elsewhere() -> None:
+    a, b = FakeEngine("http://a", token_delay=0.005), FakeEngine("http://b", token_delay=0.005)
+    lc = Lifecycle([a, b])
+    router = Router(lc)
+    sched = scheduler(router, concurrency=8)
+    box = {}
+
+    async def run() -> None:
+        box["res"] = await sched.run(samples(8, turns=4, tokens=5, tool_delay=0.01))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while len(b.generates) < 6:
+            await anyio.sleep(0.005)
+        b.dead = True  # connection refused / reset from now on
+    res = box["res"]
+    assert [t.status for t in res.trajectories] == ["completed"] * 8
+    assert lc.urls == ["http://a"] and "http://b" in router.stats.removed
+    assert "health probe" in router.stats.removed["http://b"] or "in a row" in router.stats.removed["http://b"]
+    moved = [t for t in res.trajectories if t.extra["servers"] == ["http://b", "http://a"]]
+    assert moved and all(t.metrics["route_retries"] >= 1 for t in moved)
+    for t in res.trajectories:
+        t.check_invariants()
+        assert len(t.turns) == 4  # the failed attempt appended nothing
+
+
+async def test_request_errors_are_not_retried() -> None:
+    a, b = FakeEngine("http://a"), FakeEngine("http://b")
+    lc = Lifecycle([a, b])
+    router = Router(lc)
+    s = router.session("t")
+    a.error_next = EngineError("/generate", 400, "input_ids out of vocabulary", url="http://a")
+    with pytest.raises(EngineError, match="out of vocabulary"):
+        await s([1], P)
+    assert lc.urls == ["http://a", "http://b"] and router.stats.retries == 0
+
+
+async def test_repeated_server_errors_take_a_server_out() -> None:
+    a, b = FakeEngine("http://a"), FakeEngine("http://b")
+    lc = Lifecycle([a, b])
+    router = Router(lc, failure_threshold=2)
+    s = router.session("t")
+    a.error_next = EngineError("/generate", 500, "scheduler crashed", url="http://a")
+    out = await s([1], P)  # first failure: retried on the same (still healthy) server
+    assert out.server_url == "http://a" and lc.urls == ["http://a", "http://b"]
+    # Two consecutive failures (the engine double fails one call per `error_next`): the server goes.
+    a.error_next = EngineError("/generate", 500, "scheduler crashed", url="http://a")
+    orig = a.generate
+
+    async def fail_twice(*args, **kw):
+        if a.error_next is None and not getattr(a, "_second", False):
+            a._second = True
+            raise EngineError("/generate", 503, "overloaded", url="http://a")
+        return await orig(*args, **kw)
+
+    a.generate = fail_twice
+    out = await s([1], P)
+    assert out.server_url == "http://b" and lc.urls == ["http://b"]
+    assert "2 failed requests in a row" in router.stats.removed["http://a"]
+
+
+async def test_last_server_dead_fails_the_trajectory_without_hanging() -> None:
+    a = FakeEngine("http://a")
+    router = Router(Lifecycle([a]), max_retries=2)
+    a.dead = True
+    with anyio.fail_after(10):
+        res = await scheduler(router).run(samples(2, turns=2))
+    assert [t.status for t in res.trajectories] == ["failed", "failed"]
+    assert all("EngineUnavailable" in t.error for t in res.trajectories)
+
+
+async def test_stop_releases_a_request_held_at_the_gate() -> None:
+    a = FakeEngine("http://a")
+    lc = Lifecycle([a], awake=False)
+    router = Router(lc)
+    s = router.session("t")
+    box = {}
+
+    async def call() -> None:
+        box["out"] = await s([1, 2], P)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await anyio.sleep(0.1)
+            assert "out" not in box  # held by the gate
+            s.stop("test")
+    out = box["out"]
+    assert out.aborted and out.output_ids == [] and "not dispatched" in out.finish_reason["message"]
+    assert a.generates == []
+    out = await s([1], P)  # later calls return at once too
+    assert out.aborted and a.generates == []
+
+
+async def test_unreachable_then_healthy_server_is_kept() -> None:
+    a, b = FakeEngine("http://a"), FakeEngine("http://b")
+    lc = Lifecycle([a, b])
+    router = Router(lc, failure_threshold=3)
+    s = router.session("t")
+    a.error_next = EngineUnavailable("/generate", None, "timed out after 1s", url="http://a")
+    out = await s([1], P)  # the probe says a is alive: it stays, the turn is retried
+    assert out.server_url == "http://a" and lc.urls == ["http://a", "http://b"] and router.stats.retries == 1
