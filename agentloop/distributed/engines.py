@@ -1,0 +1,207 @@
+"""Engine servers as Ray actors: the CPU reference engine or SGLang, one server process per actor.
+
+This module owns *where engine servers run*. An `EngineServer` actor starts one server process on
+its node and exposes the server's URL; everything afterwards (generate, the lifecycle's
+release/resume/weight loads) goes straight to that URL over HTTP with `SGLangClient`, never through
+the actor, so the actor is not on the hot path.
+
+- `kind="local"`: the CPU reference engine (`LocalEngineProcess`, i.e. `agentloop serve`).
+- `kind="sglang"`: `python -m sglang.launch_server` through `agentloop.engine.launch.SGLangServer`.
+  Ray sets `CUDA_VISIBLE_DEVICES` for an actor that asks for `num_gpus`, and the server inherits it,
+  so two servers with `num_gpus=0.5` share one GPU (give each a `mem_fraction_static` below 0.5).
+
+`EngineFleet` starts servers concurrently. GPU servers are placed on one placement group (a bundle
+of `{"GPU": num_gpus, "CPU": num_cpus}` per server, strategy PACK by default) so the fleet is
+reserved atomically: all servers get their GPUs or none start. Servers bind `127.0.0.1` unless
+`host="node"`, which binds the node's cluster IP so workers on other machines can reach them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Sequence
+
+import anyio
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineFleet", "EngineServer", "EngineSpec"]
+
+
+@dataclass
+class EngineSpec:
+    """What one engine server actor runs. `launch` holds extra `SGLangLaunchConfig` fields (sglang only)."""
+
+    kind: Literal["local", "sglang"]
+    model_path: str
+    extra_args: Sequence[str] = ()
+    mem_fraction_static: float | None = None
+    launch: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # "node": the node's cluster IP (reachable from other machines)
+    log_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "sglang"):
+            raise ValueError(f"EngineSpec.kind must be 'local' or 'sglang', got {self.kind!r}")
+
+
+class EngineServer:
+    """Ray actor body: one engine server process on this actor's node (created by `EngineFleet`)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = EngineSpec(**spec)
+        self.proc: Any = None
+        self._url: str | None = None
+
+    async def start(self, timeout: float) -> str:
+        s = self.spec
+        host = ray.util.get_node_ip_address() if s.host == "node" else s.host
+        if s.kind == "local":
+            from ..engine.local.process import LocalEngineProcess
+
+            self.proc = LocalEngineProcess(s.model_path, host=host, extra_args=tuple(s.extra_args), log_path=s.log_path)
+        else:
+            from ..engine.launch import SGLangLaunchConfig, SGLangServer
+
+            kw: dict[str, Any] = dict(s.launch)
+            if s.mem_fraction_static is not None:
+                kw["mem_fraction_static"] = s.mem_fraction_static
+            # gpu_ids stays None: Ray already set CUDA_VISIBLE_DEVICES for this actor and the server inherits it.
+            cfg = SGLangLaunchConfig(model_path=s.model_path, host=host, extra_args=tuple(s.extra_args), **kw)
+            self.proc = SGLangServer(cfg, log_path=s.log_path)
+        self._url = await self.proc.start(timeout=timeout)
+        return self._url
+
+    def url(self) -> str | None:
+        return self._url
+
+    def info(self) -> dict[str, Any]:
+        """Where this server runs: node IP, the GPUs Ray gave the actor, the server's pid and URL."""
+        proc = self.proc
+        pid = getattr(proc, "pid", None) if proc is not None else None
+        if pid is None and proc is not None and getattr(proc, "_proc", None) is not None:
+            pid = proc._proc.pid  # LocalEngineProcess keeps its Popen private
+        return {
+            "url": self._url,
+            "kind": self.spec.kind,
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "pid": pid,
+            "alive": self.alive(),
+        }
+
+    def alive(self) -> bool:
+        proc = self.proc
+        if proc is None:
+            return False
+        if self.spec.kind == "local":
+            return proc.returncode is None
+        return proc.proc is not None and proc.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.proc.log_tail(lines) if self.proc is not None else "(not started)"
+
+    async def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        return await self.proc.stop()
+
+
+EngineServerActor = ray.remote(EngineServer)
+
+
+class EngineFleet:
+    """Starts and stops engine server actors; `start()` returns their URLs in spec order.
+
+    `num_gpus` > 0 puts the servers on one placement group. Stopping the fleet stops every server
+    process (SIGTERM, then SIGKILL), kills the actors and removes the placement group.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[EngineSpec],
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        strategy: str = "PACK",
+        placement_timeout: float = 300.0,
+    ) -> None:
+        if not specs:
+            raise ValueError("EngineFleet needs at least one EngineSpec")
+        self.specs = list(specs)
+        self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
+        self.strategy = strategy
+        self.placement_timeout = placement_timeout
+        self.actors: list[Any] = []
+        self.urls: list[str] = []
+        self.pg: PlacementGroup | None = None
+
+    async def start(self, timeout: float = 180.0) -> list[str]:
+        if self.num_gpus > 0:
+            bundle = {"GPU": self.num_gpus, "CPU": self.num_cpus}
+            self.pg = placement_group([dict(bundle) for _ in self.specs], strategy=self.strategy)
+            try:
+                with anyio.fail_after(self.placement_timeout):
+                    await self.pg.ready()
+            except TimeoutError:
+                raise RuntimeError(
+                    f"placement group of {len(self.specs)} x {bundle} ({self.strategy}) not placed within "
+                    f"{self.placement_timeout:.0f}s: the cluster lacks the GPUs (ray.cluster_resources() = "
+                    f"{ray.cluster_resources()})") from None
+        for i, spec in enumerate(self.specs):
+            opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_concurrency": 16}
+            if self.pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i)
+            self.actors.append(EngineServerActor.options(**opts).remote(asdict(spec)))
+        refs = [a.start.remote(timeout) for a in self.actors]
+        urls: list[str | None] = [None] * len(refs)
+        errors: list[str] = []
+
+        async def one(i: int) -> None:
+            try:
+                urls[i] = await refs[i]
+            except Exception as e:  # say which server failed; the others are stopped by the caller's stop()
+                errors.append(f"engine server {i} ({self.specs[i].kind}, {self.specs[i].model_path}): {e}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(refs)):
+                tg.start_soon(one, i)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        self.urls = [u for u in urls if u is not None]
+        return list(self.urls)
+
+    async def info(self) -> list[dict[str, Any]]:
+        out = []
+        for a in self.actors:
+            try:
+                out.append(await a.info.remote())
+            except ray.exceptions.RayActorError as e:
+                out.append({"alive": False, "error": str(e)})
+        return out
+
+    async def stop(self) -> None:
+        async def one(actor: Any) -> None:
+            try:
+                with anyio.fail_after(60):
+                    await actor.stop.remote()
+            except Exception as e:  # dead actor or stuck server: the kill below ends the actor anyway
+                log.warning("stopping engine server actor failed: %s", e)
+            ray.kill(actor)
+
+        async with anyio.create_task_group() as tg:
+            for a in self.actors:
+                tg.start_soon(one, a)
+        self.actors.clear()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+

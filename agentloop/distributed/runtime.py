@@ -1,0 +1,330 @@
+"""`RayRuntime`: the same `Runtime` (same `step`, same `StepResult`), with its work spread over Ray.
+
+This module owns the driver side of Ray mode. `RayRuntime` subclasses `Runtime` and inherits its one
+step sequence (staged wake-up → roll out → collate → sleep); only *where* things run changes:
+
+- **Engines** are `EngineServer` actors (`engines.py`): CPU engines for the embedded mode, SGLang
+  servers on a placement group for `engine.launch`; `engine.urls` attaches to running servers.
+- **One lifecycle over all engines, in the driver** (`FanOutLifecycle`): every stage fans out to every
+  server and is awaited as one. The gate holds for all workers: `wake_up` opens the workers' gates only
+  after the last stage finished on every engine, and `sleep` first closes every worker's gate (awaited)
+  before it pauses any engine, then its settle stage waits for the workers' aborted requests too. So
+  a worker can only dispatch while the driver's lifecycle is AWAKE; on top of that the driver hands
+  out trajectories only inside `step` after `wake_up` returned.
+- **The driver's scheduler is the ordinary `Scheduler`** (GRPO groups, over-sampling and early stop,
+  carry-over, results in input order, metrics), whose agent loop is a `RemoteAgent`: it binds the
+  trajectory to a server with the driver's `Router` (least-loaded over every worker's trajectories,
+  sticky for the trajectory's life: this router *is* the global load balancer) and has the
+  `WorkerPool` run it on whichever worker has a free slot. The worker runs the real agent loop
+  through its own `Scheduler` (timeouts, failure isolation, reward) and hands back the trajectory.
+- **Faults**: a worker that dies mid-step has its unfinished trajectories re-run elsewhere; a server
+  that dies is taken out (by the worker that saw it fail, or by the liveness probe before each
+  wake-up and sleep). `StepResult.metrics["ray"]` says what was retried and what died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence
+
+import anyio
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..agents.base import AgentContext, AgentLoop
+from ..config import RuntimeConfig, SchedulerConfig
+from ..engine.base import EngineClient, EngineError
+from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
+from ..engine.router import RouteSession, Router
+from ..runtime import Runtime, RuntimeError_, StepResult
+from ..scheduler import ScheduleResult, Scheduler
+from ..types import Sample, Trajectory
+from .engines import EngineFleet, EngineSpec
+from .pool import PoolEvents, WorkerPool, default_capacity
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FanOutLifecycle", "RayConfig", "RayRuntime", "RayScheduler", "RemoteAgent"]
+
+
+class RayConfig(BaseModel):
+    """How `RayRuntime` uses the cluster (the rest of the settings are the ordinary `RuntimeConfig`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    address: str | None = Field(None, description="`ray.init(address=...)`: None starts/uses a local Ray, 'auto' joins "
+                                "the cluster this machine belongs to, 'ray://head:10001' connects a remote driver.")
+    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="More `ray.init` arguments (e.g. num_cpus).")
+    num_workers: int = Field(2, ge=1, description="Agent-loop worker actors.")
+    worker_capacity: int | None = Field(None, ge=1, description="Trajectories one worker runs at once "
+                                        "(default: ceil(scheduler.concurrency / num_workers)).")
+    worker_num_cpus: float = Field(0.0, ge=0, description="CPUs reserved per worker (agent loops mostly wait on HTTP).")
+    engine_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per engine server actor.")
+    engine_num_gpus: float = Field(1.0, ge=0, description="GPUs per SGLang server (0.5: two servers share a GPU).")
+    engine_host: str = Field("127.0.0.1", description="Address engine servers bind: 127.0.0.1 (one machine) or "
+                             "'node' (the node's cluster IP, for workers on other machines).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement group strategy for GPU servers.")
+    max_worker_replacements: int = Field(4, ge=0, description="Dead workers replaced by fresh actors, at most this many.")
+    max_worker_attempts: int = Field(3, ge=1, description="Workers one trajectory may be tried on before it fails.")
+    liveness_timeout: float = Field(5.0, gt=0, description="Seconds a server has to answer the liveness probe.")
+
+
+class FanOutLifecycle(Lifecycle):
+    """The driver's lifecycle over every engine, with every worker's gate following it."""
+
+    def __init__(self, clients: Sequence[EngineClient], pool: WorkerPool, *,
+                 prune: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
+        super().__init__(clients, **kwargs)
+        self.pool = pool
+        self.prune = prune
+
+    async def wake_up(self, weights: Any = None) -> str | None:
+        if self.prune is not None and self.state is not EngineState.AWAKE:
+            await self.prune()
+        version = await super().wake_up(weights)
+        await self.pool.open_gates(version)  # only now: every engine finished its last wake-up stage
+        return version
+
+    async def sleep(self) -> None:
+        if self.state is EngineState.SLEEPING:
+            return
+        await self.pool.close_gates()  # before any engine is paused: no worker dispatches from here on
+        if self.prune is not None:
+            await self.prune()
+        await super().sleep()
+        await self.pool.mark_sleeping()
+
+    async def _settle(self, s: Any) -> None:
+        await super()._settle(s)
+        left = await self.pool.settle(s.client.url, self.settle_timeout)
+        if left:
+            raise LifecycleError("settle", f"{left} requests of rollout workers still in flight after "
+                                 f"{self.settle_timeout:.0f}s", url=s.client.url)
+
+
+async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float | None = None) -> float | None:
+    """The driver's reward function: the worker already scored the trajectory; keep its value."""
+    return traj.reward
+
+
+class RemoteAgent(AgentLoop):
+    """The driver's agent loop: bind the trajectory to a server, run it on a worker, return its result."""
+
+    name = "ray-remote"
+
+    def __init__(self, scheduler: "RayScheduler", agent: str) -> None:
+        self.scheduler = scheduler
+        self.agent = agent
+
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
+        session = ctx.generate
+        if not isinstance(session, RouteSession):
+            raise TypeError(f"RemoteAgent needs the driver's RouteSession as ctx.generate, got {type(session).__name__}")
+        # Least-loaded live server over all workers' trajectories; the binding lasts for the trajectory.
+        url = session._current_server()
+        job = dataclasses.replace(sample, agent=self.agent)
+        s = self.scheduler
+        return await s.pool.run(job, url, session, s.worker_config, timeout=s.call_timeout)
+
+
+class RayScheduler(Scheduler):
+    """The ordinary scheduler, whose agent loops run on Ray workers (see the module docstring)."""
+
+    def __init__(self, router: Router, pool: WorkerPool, **kwargs: Any) -> None:
+        super().__init__(router, reward_fn=_keep_worker_reward, clock=time.time, **kwargs)
+        self.pool = pool
+        self.worker_config: dict[str, Any] = {}
+        self.call_timeout: float | None = None
+
+    def _agent(self, name: str) -> AgentLoop:
+        return RemoteAgent(self, name)
+
+    async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,
+                  config: SchedulerConfig | None = None) -> ScheduleResult:
+        cfg = config or self.config
+        self.worker_config = cfg.model_dump(mode="json")
+        # Timeouts are the workers' job (they stop the trajectory and keep its partial result); the
+        # driver only bounds a call to a worker that neither answers nor dies.
+        self.call_timeout = (cfg.trajectory_timeout + cfg.abort_grace + 60.0) if cfg.trajectory_timeout else None
+        driver_cfg = SchedulerConfig.model_validate({**cfg.model_dump(), "trajectory_timeout": None})
+        self.pool.events = PoolEvents()
+        result = await super().run(samples, on_trajectory=on_trajectory, config=driver_cfg)
+        stats = await self.pool.stats()
+        ev = self.pool.events
+        result.metrics["ray"] = {
+            "workers_alive": len(self.pool.workers),
+            "jobs_per_worker": dict(ev.jobs_per_worker),
+            "retried": list(ev.retried),
+            "worker_deaths": list(ev.worker_deaths),
+            "workers_replaced": list(ev.replaced),
+            "worker_generations_outside_awake": sum(s["generations_outside_awake"] for s in stats),
+        }
+        return result
+
+
+class RayRuntime(Runtime):
+    """`Runtime` on Ray. `async with RayRuntime(cfg, ray_config=RayConfig(...)) as rt: await rt.step(...)`.
+
+    `tools_factory(config)` builds each worker's tools (default: the same tools as local mode);
+    `reward_fn` and `interaction` are shipped to the workers, so they must be picklable (module-level).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig | Mapping[str, Any] | None = None,
+        *,
+        ray_config: RayConfig | Mapping[str, Any] | None = None,
+        clients: Sequence[EngineClient] | None = None,
+        tokenizer: Any = None,
+        tools_factory: Callable[[RuntimeConfig], Any] | None = None,
+        interaction: Any = None,
+        reward_fn: Callable[..., Awaitable[Any]] | None = None,
+        on_trajectory: Any = None,
+    ) -> None:
+        super().__init__(config, clients=clients, tokenizer=tokenizer, interaction=interaction,
+                         reward_fn=reward_fn, on_trajectory=on_trajectory)
+        self.ray_config = ray_config if isinstance(ray_config, RayConfig) else RayConfig.model_validate(ray_config or {})
+        self.tools_factory = tools_factory
+        self.pool: WorkerPool | None = None
+        self.fleet: EngineFleet | None = None
+        self._owns_ray = False
+
+    # ------------------------------------------------------------------ start / stop
+    async def start(self) -> "RayRuntime":
+        if self.started:
+            return self
+        rc = self.ray_config
+        if not ray.is_initialized():
+            ray.init(address=rc.address, **rc.init_kwargs)
+            self._owns_ray = True
+        await super().start()  # engines (as actors, below), tokenizer, one lifecycle; engines put to sleep
+        try:
+            await self._distribute()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+            raise
+        return self
+
+    async def _distribute(self) -> None:
+        rc, cfg = self.ray_config, self.config
+        scfg, ecfg = cfg.scheduler, cfg.engine
+        tokenizer_ref = ray.put(self.tokenizer)
+        cfg_json = cfg.model_dump(mode="json")
+
+        def make_args(index: int) -> tuple[Any, ...]:
+            urls = self.lifecycle.urls if self.lifecycle is not None else [c.url for c in self.clients]
+            return (index, cfg_json, list(urls), tokenizer_ref, self.tools_factory, self.reward_fn, self.interaction)
+
+        self.pool = WorkerPool(
+            num_workers=rc.num_workers,
+            capacity=rc.worker_capacity or default_capacity(scfg.concurrency, rc.num_workers),
+            make_args=make_args,
+            actor_options={"num_cpus": rc.worker_num_cpus},
+            max_replacements=rc.max_worker_replacements,
+            max_attempts=rc.max_worker_attempts,
+            on_server_removed=self._server_removed,
+        )
+        await self.pool.ready(timeout=ecfg.start_timeout)
+        first = self.lifecycle
+        assert first is not None and first.state is EngineState.SLEEPING
+        lc = FanOutLifecycle(
+            self.clients, self.pool, prune=self._prune_dead_servers,
+            awake=False,  # Runtime.start just put every engine to sleep (all release tags released)
+            staged=ecfg.staged, release_tags=ecfg.release_tags, reload_path=self.model_path,
+            settle_timeout=ecfg.settle_timeout, stage_timeout=ecfg.stage_timeout,
+        )
+        lc.records = first.records
+        lc.weight_version = first.weight_version
+        self.lifecycle = lc
+        self.router = Router(lc, max_retries=scfg.max_turn_retries, failure_threshold=scfg.server_failure_threshold,
+                             request_timeout=ecfg.request_timeout)
+        self.scheduler = RayScheduler(
+            self.router, self.pool, tokenizer=self.tokenizer, agent_config=cfg.agent.to_agent_config(),
+            config=scfg, default_agent=cfg.agent.agent,
+        )
+
+    async def _shutdown(self) -> None:
+        if self.pool is not None:
+            await self.pool.shutdown()
+            self.pool = None
+        await super()._shutdown()  # closes clients, stops the engine fleet
+        self.fleet = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    async def _start_embedded(self) -> None:
+        ecfg, rc = self.config.engine, self.ray_config
+        if ecfg.model is not None:
+            model = Path(ecfg.model)
+        else:
+            from ..models import tiny_tool_model
+
+            model = tiny_tool_model()
+        if not model.is_dir():
+            raise RuntimeError_(f"engine.model: {model} is not a model folder")
+        self.model_path = str(model)
+        specs = [EngineSpec("local", str(model), extra_args=tuple(ecfg.local_args), host=rc.engine_host)
+                 for _ in range(ecfg.num_local_servers)]
+        await self._start_fleet(EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0))
+
+    async def _launch(self) -> None:
+        lc, rc = self.config.engine.launch, self.ray_config
+        assert lc is not None
+        if lc.gpu_ids is not None:
+            log.warning("engine.launch.gpu_ids is ignored in Ray mode: Ray assigns GPUs (ray.engine_num_gpus per server)")
+        self.model_path = lc.model_path
+        specs = [EngineSpec("sglang", lc.model_path, extra_args=tuple(lc.flags), mem_fraction_static=lc.mem_fraction_static,
+                            host=rc.engine_host) for _ in range(lc.num_servers)]
+        await self._start_fleet(EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=rc.engine_num_gpus,
+                                            strategy=rc.placement_strategy))
+
+    async def _start_fleet(self, fleet: EngineFleet) -> None:
+        self.fleet = fleet
+        self.processes.append(fleet)  # Runtime's shutdown stops it like any engine process
+        urls = await fleet.start(timeout=self.config.engine.start_timeout)
+        self.clients = [self._client(u) for u in urls]
+
+    # ------------------------------------------------------------------ servers that die
+    async def _server_removed(self, url: str, reason: str) -> None:
+        """Take `url` out of the driver's lifecycle and router, and tell every worker."""
+        lc = self.lifecycle
+        if lc is None or url not in lc.urls or self.router is None:
+            return
+        try:
+            lc.remove_server(url)
+        except LifecycleError as e:  # the last server: keep it; its failures fail the trajectories
+            log.error("cannot take out %s: %s", url, e)
+            return
+        self.router.stats.removed[url] = reason
+        log.warning("engine server %s taken out: %s", url, reason)
+        if self.pool is not None:
+            await self.pool.remove_server(url, reason)
+
+    async def _prune_dead_servers(self) -> None:
+        """Liveness probe of every server (`/model_info`: never a generate, safe in any memory state)."""
+        lc = self.lifecycle
+        assert lc is not None
+        for client in list(lc.clients):
+            error: str | None = None
+            try:
+                with anyio.fail_after(self.ray_config.liveness_timeout):
+                    await client.model_info()
+            except (EngineError, TimeoutError, OSError) as e:
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                await self._server_removed(client.url, f"failed the liveness probe ({error})")
+
+    # ------------------------------------------------------------------ introspection
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        """Each live worker's gate state, counters and the times of its dispatches and gate changes."""
+        return await self.pool.stats() if self.pool is not None else []
+
+    async def engine_info(self) -> list[dict[str, Any]]:
+        """Where each engine server actor runs (node, GPUs, pid); empty when attached by URL."""
+        return await self.fleet.info() if self.fleet is not None else []
