@@ -1,0 +1,78 @@
+"""The runtime's sync facade, overrides, callbacks and config errors, over an in-process engine double
+(the CPU-engine runs are in test_runtime.py). Every test runs >= 2 steps."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from pydantic import ValidationError
+
+from agentloop.config import LaunchConfig, RuntimeConfig
+from agentloop.engine.lifecycle import EngineState
+from agentloop.runtime import Runtime
+
+from test_scheduler_support import FakeEngine, length_reward, samples
+
+TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=2)
+
+
+def test_step_sync_runs_the_same_coroutine_for_two_steps() -> None:
+    eng = FakeEngine("http://a")
+    seen: list[str] = []
+    rt = Runtime({"scheduler": {"n": 2}}, clients=[eng], tokenizer=TOK, tools=object(),
+                 reward_fn=length_reward, on_trajectory=lambda t: seen.append(t.uid))
+    with rt:
+        assert rt.lifecycle.state is EngineState.SLEEPING and "release" in eng.calls
+        r1 = rt.step_sync(samples(2, turns=2, tokens=3))
+        r2 = rt.step_sync(samples(3, turns=1, tokens=2), {"w": 0}, n=1)  # a state dict: a new weight version
+        assert rt.lifecycle.state is EngineState.SLEEPING
+    assert [t.uid for t in r1.trajectories] == ["p0_0", "p0_1", "p1_0", "p1_1"]
+    assert [t.uid for t in r2.trajectories] == ["p0", "p1", "p2"]  # n overridden for one step
+    assert r1.weight_version == "default" and r2.weight_version == "v1"
+    assert {t.weight_version for t in r2.trajectories} == {"v1"}
+    assert r1.step == 1 and r2.step == 2
+    assert sorted(seen) == sorted([t.uid for t in r1.trajectories + r2.trajectories])
+    for r in (r1, r2):
+        assert r.metrics["generations_outside_awake"] == 0
+        assert r.metrics["wake_up_seconds"] >= 0 and r.metrics["sleep_seconds"] >= 0
+        assert r.metrics["sampled_tokens"] == int(r.batch["response_mask"].sum())
+        assert r.batch["rewards"].tolist() == [float(len(t.response_ids)) for t in r.trajectories]
+    # the engine saw: release at start, then per step resume → update → resume → ... → release
+    assert eng.calls[0] == "release" and eng.calls.count("release") == 3
+
+
+async def test_bad_override_and_bad_config_name_the_field() -> None:
+    rt = Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object(), reward_fn=length_reward)
+    async with rt:
+        with pytest.raises(TypeError, match="concurency"):
+            await rt.step(samples(1), concurency=3)
+        with pytest.raises(ValidationError, match="n"):
+            await rt.step(samples(1), n=0)
+        res = await rt.step(samples(1, turns=1))  # still usable
+        res = await rt.step(samples(1, turns=1))
+        assert res.trajectories[0].status == "completed"
+    with pytest.raises(ValidationError, match="concurrency"):
+        RuntimeConfig.model_validate({"scheduler": {"concurrency": 0}})
+    with pytest.raises(ValidationError, match="bogus"):
+        RuntimeConfig.model_validate({"engine": {"bogus": 1}})
+    with pytest.raises(ValidationError, match="either `urls`"):
+        RuntimeConfig.model_validate({"engine": {"urls": ["http://x"], "launch": {"model_path": "/m"}}})
+
+
+def test_config_documents_every_field() -> None:
+    def walk(model: type) -> None:
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann)
+
+    walk(RuntimeConfig)
+    walk(LaunchConfig)
+    cfg = RuntimeConfig.model_validate({"agent": {"temperature": 0.5, "max_new_tokens_per_turn": 7, "seed": 3}})
+    ac = cfg.agent.to_agent_config()
+    assert ac.sampling.temperature == 0.5 and ac.sampling.max_new_tokens == 7 and ac.sampling.sampling_seed == 3
+    assert ac.max_new_tokens_per_turn == 7
+    assert cfg.scheduler.prompts_per_step(16) == 16
+    assert RuntimeConfig.model_validate({"scheduler": {"target_groups": 8, "oversample_factor": 1.5}}).scheduler.prompts_per_step(16) == 12
