@@ -1,9 +1,10 @@
 """One generation request inside the CPU engine: its inputs, its growing outputs, how it ended.
 
-The scheduler's worker thread is the only writer; it appends a token and its logprob together and
-then calls `notify`, which hands the new output length to the server's event loop (thread-safe).
-Readers take `snapshot(n)` with the count they were told, so they never see a token without its
-logprob. `error` (status, message) is set when a request is refused or fails inside the engine.
+The scheduler's worker thread is the only writer. It appends a token's logprob before its id, then
+calls `notify`, which hands the output length so far to the server's event loop (thread-safe): on
+every token for streaming requests, otherwise once when the request ends. Readers slice the lists
+to the length they were told, so they never see a token without its logprob. `error` (status,
+message) is set when a request is refused or fails inside the engine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Request:
     #: max_new_tokens clipped so prompt + output fits the context length.
     max_new_tokens: int = 128
     notifier: Notifier | None = None
+    #: Streaming clients are told about every token; others only when the request ends (waking the
+    #: event loop per token would cost GIL time the decode loop needs).
+    stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -74,7 +78,7 @@ class Request:
         self.notify()
 
     def notify(self) -> None:
-        if self.notifier is not None:
+        if self.notifier is not None and (self.stream or self.finished):
             self.notifier(len(self.output_ids), self.finished)
 
     def e2e_latency(self) -> float:

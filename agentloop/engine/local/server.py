@@ -172,6 +172,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     reqs, batch = _build_requests(engine, body)
     stream = bool(body.get("stream", False))
+    for r in reqs:
+        r.stream = stream
     loop = asyncio.get_running_loop()
     watches = [_Watch(loop) for _ in reqs]
     submitted: list[Request] = []
