@@ -150,12 +150,15 @@ WRITE_ESCAPES = {
     "hardlink": "import os; os.link(VICTIM, 'hl'); open('hl', 'w').write('x')",
     "symlink": "import os; os.symlink(VICTIM, 'sl'); open('sl', 'w').write('x')",
     "symlink_dir": "import os; os.symlink(OUT, 'sd'); open('sd/new.txt', 'w').write('x')",
+    "symlink_inside": "import os; open('f', 'w'); os.symlink('f', 'l')",
     "mkdir": "import os; os.mkdir(OUT + '/newdir')",
     "chmod": "import os; os.chmod(VICTIM, 0o777)",
     "truncate": "import os; os.truncate(VICTIM, 0)",
     "utime": "import os; os.utime(VICTIM, (0, 0))",
     "chdir": "import os; os.chdir(OUT); open('new.txt', 'w').write('x')",
     "relative": "open('../../../../../../../..' + OUT + '/new.txt', 'w').write('x')",
+    # another thread moves the cwd up between the hook's check and the open: ".." is refused outright
+    "dotdot_race": "import os; os.makedirs('a/b/c'); os.chdir('a/b/c'); open('../../x', 'w')",
     "shutil": "import shutil; open('mine', 'w').write('x'); shutil.copy('mine', OUT + '/new.txt')",
     "dir_fd": "import os; fd = os.open(OUT, os.O_RDONLY); os.write(os.open('new.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd), b'x')",
     "mkfifo": "import os; os.mkfifo(OUT + '/fifo')",
@@ -212,6 +215,7 @@ async def test_reads_restricted_to_scratch_and_python_library():
         out = await run(t, code)
         assert "sandbox:" in out and "refused" in out, out
     assert await run(t, "import json, decimal, zoneinfo; print(json.dumps({'a': 1}))") == '{"a": 1}'
+    assert await run(t, "import os; open(os.devnull, 'w').write('x'); print('ok')") == "ok"
     assert "root:" in await run(PythonTool(restrict_reads=False), "print(open('/etc/passwd').read())")
     assert "root:" in await run(PythonTool(readable_paths=["/etc/passwd"]), "print(open('/etc/passwd').read())")
 
@@ -224,12 +228,18 @@ async def test_reads_restricted_to_scratch_and_python_library():
     "import os; os.killpg(0, 9)",
     "import signal; signal.pidfd_send_signal",
     "import sys; del sys.modules['posix']; import posix",
+    "import os; os.chroot('.')",
+    # an extension module's init symbol comes from the last name component: loading _socket as x._socket
+    ("import _imp, importlib.machinery, sys, os\nd = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
+     "f = [x for x in os.listdir(d) if x.startswith('_socket.')][0]\n"
+     "_imp.create_dynamic(importlib.machinery.ModuleSpec('x._socket', None, origin=os.path.join(d, f)))"),
     "import sys; sys.addaudithook(lambda *a: None); open('/etc/passwd', 'a')",  # a new hook cannot undo ours
     "import __main__; print(sorted(k for k in vars(__main__) if not k.startswith('__')) or 'clean'); raise SystemExit(sorted(vars(__main__)) != sorted(globals()) and 'leak')",
 ])
 async def test_sandbox_cannot_be_switched_off_from_inside(code):
     out = await run(PythonTool(), code)
-    assert ("sandbox:" in out or "has no attribute 'pidfd_send_signal'" in out or out == "clean"), out
+    assert ("sandbox:" in out or "has no attribute 'pidfd_send_signal'" in out or "has no attribute 'chroot'" in out
+            or out == "clean"), out
 
 
 async def test_infinite_loop_does_not_stall_the_event_loop():

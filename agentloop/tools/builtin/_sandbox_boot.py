@@ -8,7 +8,8 @@ It is the first code in the child and uses only the standard library. In order, 
 4. enters the scratch directory,
 5. installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
    - opening a file for writing, or any path-changing os call (mkdir, remove, rename, link, chmod, ...),
-     outside the scratch directory (paths are resolved with realpath, so symlinks do not escape),
+     outside the scratch directory (paths are resolved with realpath; paths with ".." and creating
+     symlinks are refused, so no check-then-use race with another thread can escape),
    - reading or listing anything but the scratch directory, the interpreter's import path and a few
      harmless files (unless the parent turned `restrict_reads` off): no secrets from /proc/*/environ,
      home directories or configs reach the model,
@@ -18,7 +19,7 @@ It is the first code in the child and uses only the standard library. In order, 
    - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/... (ctypes
      could patch the interpreter's memory and gc could find the hook function; sqlite3/dbm write files
      from C without an "open" event),
-   and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod` from os/posix/signal,
+   and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot` from os/posix/signal,
 6. runs the code as `__main__` in a fresh module namespace.
 
 Audit hooks are not a sandbox against native code, which is why ctypes is refused and why the parent
@@ -92,21 +93,29 @@ def _make_hook(scratch, blocked_imports, readable):
                 path = readlink("/proc/self/fd/%d" % path)
             except OSError:
                 return False
-        return under(realpath(fsdecode(path)), scratch)
+        path = fsdecode(path)
+        return ".." not in path.split(sep) and under(realpath(path), scratch)
 
     def may_read(path):
         if isinstance(path, int):
             return True
-        real = realpath(fsdecode(path))
+        path = fsdecode(path)
+        if ".." in path.split(sep):
+            return False
+        real = realpath(path)
         return under(real, scratch) or any(under(real, r) for r in roots)
 
     def deny(what):
         raise PermissionError("sandbox: " + what)
 
+    # Why ".." and symlinks are refused: the hook checks a path, then the call resolves it again. With
+    # no symlinks in the scratch directory and no "..", a path that is inside at check time stays inside
+    # even if another thread renames directories in between (renames are confined to the scratch dir).
     def hook(event, args):
         if event == "import":
             mod = args[0]
-            if mod.partition(".")[0] in blocked_imports:
+            # Every component: an extension's init symbol comes from the last one ("x._socket").
+            if any(part in blocked_imports for part in mod.split(".")):
                 raise ImportError("sandbox: import of %r is not allowed (no network, processes, ctypes or gc)" % mod)
         elif event == "open":
             path, mode, flags = args
@@ -115,7 +124,7 @@ def _make_hook(scratch, blocked_imports, readable):
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & write_flags)
             if writing:
-                if not inside(path):
+                if not inside(path) and realpath(fsdecode(path)) != "/dev/null":
                     deny("writing %r refused: outside the scratch directory" % fsdecode(path))
             elif isdir(path):
                 deny("opening directory %r refused; use os.listdir/os.scandir" % fsdecode(path))
@@ -130,8 +139,7 @@ def _make_hook(scratch, blocked_imports, readable):
             if not inside(args[0]):
                 deny("chdir to %r refused: outside the scratch directory" % fsdecode(args[0]))
         elif event == "os.symlink":
-            if not inside(args[1]):  # where the link points is checked when it is opened
-                deny("symlink at %r refused: outside the scratch directory" % fsdecode(args[1]))
+            deny("creating symlinks is not allowed in the sandbox")
         elif event in mutating:
             for p in args[: mutating[event]]:
                 if not inside(p):
@@ -162,7 +170,8 @@ def _strip_unaudited():
 
     import _signal
 
-    unaudited = ("pidfd_open", "mkfifo", "mknod")  # signal a process by fd; create files
+    # signal a process by fd; create files; change the root or namespaces (3.12+)
+    unaudited = ("pidfd_open", "mkfifo", "mknod", "chroot", "unshare", "setns")
     for mod, names in ((os, unaudited), (posix, unaudited), (signal, ("pidfd_send_signal",)),
                        (_signal, ("pidfd_send_signal",))):
         for n in names:
