@@ -324,3 +324,17 @@ async def test_two_release_resume_update_cycles(local_engine: str, random_model_
             out = await client.generate(PROMPT, GREEDY)
             assert out.output_ids == expect and out.weight_version == version
             assert (await client.model_info())["weight_version"] == version
+
+
+async def test_max_new_tokens_zero_scores_the_prompt(local_engine: str, ref_model) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 3}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{local_engine}/generate", json=body) as r:
+            assert r.status == 200
+            out = await r.json()
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    with torch.no_grad():
+        lps = torch.log_softmax(ref_model(torch.tensor([PROMPT])).logits[0], dim=-1)
+    got = out["meta_info"]["input_token_logprobs"]
+    assert [x[1] for x in got] == PROMPT[3:]
+    assert [x[0] for x in got] == pytest.approx([float(lps[j - 1, PROMPT[j]]) for j in range(3, len(PROMPT))], abs=1e-4)

@@ -1,17 +1,20 @@
 """Continuous batching for the CPU engine: the worker thread that admits, prefills and decodes.
 
 Why not transformers' own continuous batching? `ContinuousBatchingManager` / `generate_batch`
-(transformers 5.24, paged attention) was evaluated first. It batches well, but it lacks what an RL
-rollout engine must have, and patching around it would touch its internals at every point:
-- sampling mode is fixed per manager by one `GenerationConfig` (`do_sample`), so greedy and sampled
-  requests cannot share a batch, and there are no per-request seeds (one global `torch.multinomial`);
-- its logprobs are `log(probs)` of the *processed* distribution (after top-k/top-p masking), not
-  SGLang's temperature-scaled, untruncated logprob of the sampled token;
-- its paged KV cache is allocated once when the manager starts; there is no way to release and
-  re-allocate it (or the weights) while the process keeps serving, nor to retract requests;
-- no per-request stop-token sets, `ignore_eos`, `min_new_tokens`, or pause with abort/retract/in-place.
-It does have cancellation, which we would have kept. So this module is a small loop of our own
-(nano-vllm sized), built on transformers' model forward and `DynamicCache`:
+(transformers 5.24, paged attention) was evaluated first (its source: `continuous_api.py`,
+`model_runner.py`, `cb_logits_processors.py`). It batches well and can cancel a request, but an RL
+rollout engine needs what it lacks:
+- greedy vs sampling is fixed per manager (`do_sample` of one `GenerationConfig`), so greedy and
+  sampled requests cannot share a batch, and sampling draws from the global RNG
+  (`torch.multinomial` without a generator): no per-request seeds, so no reproducible rollouts;
+- its logprobs are `log(probs)` of the distribution *after* the logits processors (top-k/top-p
+  masking, renormalised), not SGLang's temperature-scaled, untruncated logprob of the sampled
+  token, and there are no top-logprobs or prompt logprobs;
+- no min_new_tokens, and no pause that keeps requests (in place) or retracts them for re-prefill;
+- its paged KV cache lives inside the manager: releasing it means destroying the manager (and
+  every request in it) — workable, but combined with the above not worth the coupling.
+So this module is a small loop of our own (nano-vllm sized) on top of transformers' model forward
+and `DynamicCache`, and uses the manager for nothing.
 
 Each iteration of the worker thread: run queued control commands (submit, abort, pause, memory,
 weight updates — they all execute here, between forward passes, so they never race a forward);
@@ -227,21 +230,29 @@ class Scheduler:
             req = self.waiting.popleft()
             if req.finished:
                 continue
-            want_input_lp = req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
-            fed = req.all_tokens  # prompt, plus tokens generated before a retraction
-            logits, cache = self.runner.prefill(fed, all_logits=want_input_lp)
-            self.stats.prefills += 1
-            if want_input_lp:
-                self._input_logprobs(req, logits)
-                logits = logits[-1]
-            if req.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): SGLang returns no tokens
-                self._finish(req, {"type": "length", "length": 0})
-                continue
-            self._sample_into([req], logits.unsqueeze(0))
-            if not req.finished:
-                # The cache covers `fed`; the token just sampled is fed by the next decode step.
-                self.running.append(req)
-                self.kv.add(cache, len(fed))
+            try:
+                self._prefill(req)
+            except Exception as e:  # this request fails; the batch and the server go on
+                log.error("prefill of %s failed:\n%s", req.rid, traceback.format_exc())
+                req.fail(500, f"prefill failed: {type(e).__name__}: {e}")
+
+    def _prefill(self, req: Request) -> None:
+        """Run the request's known tokens, sample its next token, and add it to the batch."""
+        want_input_lp = req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
+        fed = req.all_tokens  # prompt, plus tokens generated before a retraction
+        logits, cache = self.runner.prefill(fed, all_logits=want_input_lp)
+        self.stats.prefills += 1
+        if want_input_lp:
+            self._input_logprobs(req, logits)
+            logits = logits[-1]
+        if req.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): SGLang returns no tokens
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self._sample_into([req], logits.unsqueeze(0))
+        if not req.finished:
+            # The cache covers `fed`; the token just sampled is fed by the next decode step.
+            self.running.append(req)
+            self.kv.add(cache, len(fed))
 
     def _sample_into(self, rows: list[Request], logits: Any) -> None:
         banned = [self._banned(r) for r in rows]

@@ -179,8 +179,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     submitted: list[Request] = []
     try:
         for r, w in zip(reqs, watches):
+            submitted.append(r)  # before the await: a cancelled submit may still reach the worker
             await engine.submit(r, w.notifier)
-            submitted.append(r)
         failed = next((r for r in reqs if r.error is not None), None)
         if failed is not None:
             for r in reqs:
