@@ -242,14 +242,41 @@ async def test_sandbox_cannot_be_switched_off_from_inside(code):
             or out == "clean"), out
 
 
+async def test_drops_to_nobody_when_root_and_the_interpreter_allows_it():
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("needs root and a system python that the nobody user can run")
+    caps = await sandbox_capabilities(python)
+    if caps.drop_uid is None:
+        pytest.skip(f"nobody cannot run {python} here")
+    out = await run(PythonTool(python=python, max_processes=8), """
+        import os, resource, threading, time
+        print(os.getuid(), os.getgid(), os.getgroups(), resource.getrlimit(resource.RLIMIT_NPROC))
+        open("f", "w").write("scratch is writable")
+        print(open("f").read())
+        n = 0
+        try:
+            while True:
+                threading.Thread(target=time.sleep, args=(3,), daemon=True).start()
+                n += 1
+        except RuntimeError as e:
+            print("threads stopped at", n, "by RLIMIT_NPROC:", e)
+        os._exit(0)
+    """)
+    lines = out.splitlines()
+    assert lines[0].startswith("65534 65534 []") and lines[1] == "scratch is writable"
+    assert lines[2].startswith("threads stopped at") and int(lines[2].split()[3]) < 16
+
+
 async def test_infinite_loop_does_not_stall_the_event_loop():
     t = PythonTool(timeout=1.5, cpu_seconds=60)
     tick = Ticker()
     before = children()
     async with anyio.create_task_group() as tg:
         tg.start_soon(tick)
-        with pytest.raises(ToolError, match="timed out after 1.5 seconds"):
+        with pytest.raises(ToolError, match="timed out after 1.5 seconds") as e:
             await run(t, "while True: pass")
+        assert e.value.kind == "timeout"
         tg.cancel_scope.cancel()
     assert tick.ticks >= 30 and tick.max_gap < 0.5, (tick.ticks, tick.max_gap)
     assert children() <= before  # the process group was killed and reaped

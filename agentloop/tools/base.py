@@ -17,7 +17,12 @@ ErrorKind = Literal["parse", "unknown_tool", "bad_arguments", "timeout", "except
 
 class ToolError(Exception):
     """Raise from `execute` to answer the model with an error: the registry returns `Error: <message>`
-    (ok=False, error_kind "exception") instead of the exception's type and text."""
+    (ok=False) instead of the exception's type and text. `kind` is the result's error_kind ("timeout"
+    for a tool's own time limit, else "exception")."""
+
+    def __init__(self, message: str, *, kind: "ErrorKind" = "exception") -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
 
 
 @dataclass

@@ -248,7 +248,7 @@ class ToolRegistry:
             return ToolResult(index, call.name, f"Error: TimeoutError: {_first_line(e)}", ok=False,
                               error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
         except ToolError as e:
-            return ToolResult(index, call.name, f"Error: {e}", ok=False, error_kind="exception",
+            return ToolResult(index, call.name, f"Error: {e}", ok=False, error_kind=e.kind,
                               seconds=time.monotonic() - t0, call_id=call.id)
         except Exception as e:  # a tool bug or a failing call: the model gets the message, the trajectory goes on
             return ToolResult(index, call.name, f"Error: {type(e).__name__}: {_first_line(e)}", ok=False,

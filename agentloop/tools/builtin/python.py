@@ -66,8 +66,9 @@ class _Caps:
     drop_uid: int | None  # uid to drop to (root only), None to stay
 
 
+# Probed once per process. No lock: concurrent first probes are idempotent, and an anyio lock kept in
+# a module global would outlive the event loop it was first used on.
 _caps_cache: dict[tuple[str, bool], _Caps] = {}
-_caps_lock: anyio.Lock | None = None
 
 
 async def _works(cmd: list[str], **kw: Any) -> bool:
@@ -82,33 +83,27 @@ async def _works(cmd: list[str], **kw: Any) -> bool:
 async def sandbox_capabilities(python: str = sys.executable, use_namespaces: bool = True) -> _Caps:
     """Probe once per process what this host allows: `unshare` for a network namespace, and (as root)
     whether `nobody` can run the interpreter."""
-    global _caps_lock
     key = (python, use_namespaces)
     if key in _caps_cache:
         return _caps_cache[key]
-    if _caps_lock is None:
-        _caps_lock = anyio.Lock()
-    async with _caps_lock:
-        if key in _caps_cache:
-            return _caps_cache[key]
-        root = hasattr(os, "geteuid") and os.geteuid() == 0
-        drop = None
-        if root and await _works([python, "-I", "-S", "-B", "-c", "import json, resource, os"], user=NOBODY, group=NOBODY,
-                                 extra_groups=[], cwd="/"):
-            drop = NOBODY
-        prefix: tuple[str, ...] = ()
-        unshare = shutil.which("unshare")
-        if use_namespaces and unshare:
-            # As root and dropping privileges, a plain net namespace (the uid drop happens inside);
-            # otherwise a user namespace lets an unprivileged user create one (and sheds root's caps).
-            candidates = [(unshare, "-n")] if drop is not None else [(unshare, "-r", "-n"), (unshare, "-n")]
-            for c in candidates:
-                if await _works([*c, python, "-I", "-S", "-c", "pass"]):
-                    prefix = c
-                    break
-        caps = _Caps(prefix, drop)
-        _caps_cache[key] = caps
-        return caps
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    drop = None
+    if root and await _works([python, "-I", "-S", "-B", "-c", "import json, resource, os"], user=NOBODY, group=NOBODY,
+                             extra_groups=[], cwd="/"):
+        drop = NOBODY
+    prefix: tuple[str, ...] = ()
+    unshare = shutil.which("unshare")
+    if use_namespaces and unshare:
+        # As root and dropping privileges: a plain net namespace (the uid drop happens inside).
+        # Otherwise a user namespace lets an unprivileged user create one (and sheds root's capabilities).
+        candidates = [(unshare, "-n")] if drop is not None else [(unshare, "-r", "-n"), (unshare, "-n")]
+        for c in candidates:
+            if await _works([*c, python, "-I", "-S", "-c", "pass"]):
+                prefix = c
+                break
+    caps = _Caps(prefix, drop)
+    _caps_cache[key] = caps
+    return caps
 
 
 async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes]) -> int:
@@ -215,7 +210,7 @@ class PythonTool(Tool):
                 text += f"\n(memory limit of {self.memory_mb} MiB exceeded)"
             text += f"\n(exit status {rc})"
         if problem is not None:
-            raise ToolError(problem + (":\n" + text if text else ""))
+            raise ToolError(problem + (":\n" + text if text else ""), kind="timeout" if out.timed_out else "exception")
         return text if text.strip() else "(no output)"
 
     async def run_code(self, code: str, *, scratch_parent: Path | str | None = None) -> SandboxOutput:
