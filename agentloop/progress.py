@@ -1,8 +1,8 @@
 """Progress of a rollout run for people watching it.
 
 On a terminal: a rich live bar per step with trajectories done/total, generated tokens/s, tool
-calls and errors, and a line per lifecycle phase. In quiet mode (or when stderr is not a terminal,
-e.g. CI logs): plain timestamped log lines, at phase changes and at most every `log_every` seconds.
+calls and errors, and a line per finished step. In quiet mode (or when stderr is not a terminal,
+e.g. CI logs): plain timestamped log lines, at step start and end and at most every `log_every` seconds.
 It only displays; the numbers of record are in `summary.json` (`agentloop.output`).
 """
 
@@ -20,7 +20,7 @@ from .types import Trajectory
 
 
 class RolloutProgress:
-    """Feed it events (`begin_step`, `phase`, `trajectory_done`, `end_step`); use as a context manager."""
+    """Feed it events (`begin_step`, `trajectory_done`, `end_step`, `message`); use as a context manager."""
 
     def __init__(self, *, quiet: bool = False, stream: IO[str] | None = None, log_every: float = 5.0) -> None:
         self.stream = stream or sys.stderr
@@ -85,10 +85,6 @@ class RolloutProgress:
         else:
             self._log(f"step {step}/{steps}: rolling out {total} trajectories")
 
-    def phase(self, text: str) -> None:
-        """A lifecycle phase began or ended (wake-up, sleep, ...)."""
-        self.message(f"step {self._step}/{self._steps}: {text}")
-
     def trajectory_done(self, traj: Trajectory) -> None:
         self.done += 1
         self.tokens += sum(1 for m in traj.response_mask if m == 1)
@@ -120,6 +116,8 @@ class RolloutProgress:
         st = summary.get("status", {})
         secs = summary.get("seconds", {})
         tps = summary.get("tokens_per_second")
+        if self._progress is not None and self._task is not None:
+            self._progress.stop_task(self._task)  # freezes its elapsed time
         rate = f"{tps:.0f} tok/s; " if tps is not None else ""
         self.message(
             f"step {self._step}/{self._steps} done: {st.get('completed', 0)} completed, "
