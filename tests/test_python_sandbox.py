@@ -70,6 +70,10 @@ async def test_output_exit_status_and_traceback_without_sandbox_frames():
     assert 'File "<tool code>", line 5, in f' in out and "return 1 / 0" in out and "ZeroDivisionError" in out
     assert "_sandbox_boot" not in out and out.endswith("(exit status 1)")
     assert (await run(t, "import sys; print('bye', file=sys.stderr); sys.exit(3)")).splitlines() == ["bye", "(exit status 3)"]
+    out = await run(t, "print(1)\ndef f(:\n    pass")
+    assert out.splitlines()[:4] == ['  File "<tool code>", line 2', "    def f(:", "          ^", "SyntaxError: invalid syntax"]
+    assert "null bytes" in await run(t, "print(1)\x00")
+    assert await run(t, "print('\udcff'.encode('utf-8', 'replace'))") == "b'?'"  # a lone surrogate in the JSON
 
 
 async def test_refuses_network(tmp_path):

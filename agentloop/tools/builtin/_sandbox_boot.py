@@ -203,7 +203,7 @@ def _main():
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main  # the code must not reach this bootstrap module's namespace
-    return compile(code, "<tool code>", "exec"), main.__dict__, code
+    return main.__dict__, code
 
 
 def _chain(te):
@@ -214,9 +214,9 @@ def _chain(te):
     return seen
 
 
-def _run(code, ns, source):
+def _run(ns, source):
     try:
-        exec(code, ns)
+        exec(compile(source, "<tool code>", "exec"), ns)
     except SystemExit:
         raise
     except BaseException as e:  # print the traceback without this bootstrap's frame, with source lines

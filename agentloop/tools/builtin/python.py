@@ -267,7 +267,7 @@ class PythonTool(Tool):
                     async def feed() -> None:
                         assert proc.stdin is not None
                         try:
-                            await proc.stdin.send(code.encode("utf-8", "surrogatepass"))
+                            await proc.stdin.send(code.encode("utf-8", "replace"))  # lone surrogates (valid JSON) become "?"
                         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                             pass  # the child died before reading its code; its stderr says why
                         finally:
