@@ -73,13 +73,27 @@ def _finite(x: float | None) -> float | None:
     return float(x)
 
 
+def _json_safe(x: Any) -> Any:
+    """Non-finite floats → None anywhere in a nested structure (metrics, extra, timings)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+_INT_LISTS = ("prompt_ids", "response_ids", "response_mask")
+
+
 def trajectory_record(traj: Trajectory, step: int) -> dict[str, Any]:
     """The JSON-ready dict of one trajectory (all its fields, `step`, and `weight_versions`)."""
     d = traj.to_dict()
-    d["response_logprobs"] = [_finite(x) for x in d["response_logprobs"]]
-    d["reward"] = _finite(d["reward"])
-    d["weight_versions"] = traj.weight_versions
-    return {"step": step, **d}
+    # Token lists are ints (nothing to clean, and the longest lists): skip them in the walk.
+    rec = {k: (v if k in _INT_LISTS else _json_safe(v)) for k, v in d.items()}
+    rec["weight_versions"] = traj.weight_versions
+    return {"step": step, **rec}
 
 
 class TrajectoryStream:
@@ -99,7 +113,7 @@ class TrajectoryStream:
     def write(self, traj: Trajectory, step: int) -> None:
         if self._f is None:
             raise RuntimeError("TrajectoryStream.write before open()")
-        line = json.dumps(trajectory_record(traj, step), ensure_ascii=False, allow_nan=False) + "\n"
+        line = json.dumps(trajectory_record(traj, step), ensure_ascii=False, allow_nan=False, default=str) + "\n"
         self._f.write(line)  # one write per line: a reader never sees half a trajectory
         self._f.flush()
         self.count += 1
@@ -179,7 +193,7 @@ def write_parquet(path: str | Path, rows: Iterable[tuple[int, Trajectory]]) -> P
         cols["reward"].append(t.reward)
         cols["error"].append(t.error)
         cols["metrics"].append([(k, float(v)) for k, v in t.metrics.items() if isinstance(v, (int, float))])
-        cols["messages"].append(json.dumps(t.messages, ensure_ascii=False))
+        cols["messages"].append(json.dumps(t.messages, ensure_ascii=False, default=str))
         cols["extra"].append(json.dumps(t.extra, ensure_ascii=False, default=str))
     table = pa.table(cols, schema=schema)
     return atomic_write(path, lambda f: pq.write_table(table, f))

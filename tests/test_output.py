@@ -59,12 +59,13 @@ def test_stream_writes_whole_flushed_lines_and_renames(tmp_path: Path) -> None:
     assert not (tmp_path / JSONL_NAME).exists()
     t = make_traj("b#0", reward=None)
     t.response_logprobs[0] = float("nan")  # JSON has no NaN: written as null, file stays strict JSON
+    t.metrics["odd"] = float("inf")
     s.write(t, step=2)
     assert s.close() == tmp_path / JSONL_NAME
     assert not s.partial.exists()
     rows = [json.loads(line) for line in (tmp_path / JSONL_NAME).read_text().splitlines()]
     assert [(r["uid"], r["step"]) for r in rows] == [("a#0", 1), ("b#0", 2)]
-    assert rows[1]["response_logprobs"][0] is None and rows[1]["reward"] is None
+    assert rows[1]["response_logprobs"][0] is None and rows[1]["reward"] is None and rows[1]["metrics"]["odd"] is None
     r = rows[0]
     assert len(r["response_ids"]) == len(r["response_mask"]) == len(r["response_logprobs"])
     assert r["weight_versions"] == ["v1", "v1"] and r["timeline"][0]["kind"] == "queue"
