@@ -162,6 +162,40 @@ async def test_generate_without_rid_sends_a_fresh_one(replay, client) -> None:
     assert len(set(rids)) == 2 and all(len(r) == 32 for r in rids)
 
 
+async def test_out_of_vocab_ids_refused_before_sending(replay, client, tmp_path) -> None:
+    resp = untrimmed_generate(recorded("generate single, logprobs")["response"])
+    replay.on("POST", "/generate", lambda _b: web.json_response(resp))
+    replay.on("GET", "/server_info", lambda _b: web.json_response({"tensor_transport": "safetensors", "vocab_size": 320}))
+
+    async def first_generates() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(client.generate, [0, 319], SamplingParams(max_new_tokens=3))
+
+    await first_generates()
+    with pytest.raises(EngineError, match=r"input_ids\[1\]=320 is out of vocabulary \[0, 320\)") as ei:
+        await client.generate([5, 320, 6], SamplingParams(max_new_tokens=3), rid="oov")
+    assert ei.value.endpoint == "/generate" and "oov" in ei.value.message
+    with pytest.raises(EngineError, match=r"input_ids\[0\]=-1"):
+        await client.generate([-1], SamplingParams(max_new_tokens=3))
+    assert replay.count("/generate") == 4 and replay.count("/server_info") == 1  # looked up once
+
+    # real SGLang: no vocab_size in /server_info; the served folder's config.json has it
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    replay.on("GET", "/server_info", lambda _b: web.json_response({"tp_size": 1}))
+    replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": str(tmp_path)}))
+    async with SGLangClient(replay.url) as c:
+        with pytest.raises(EngineError, match="out of vocabulary"):
+            await c.generate([1000], SamplingParams(max_new_tokens=1))
+        assert c.vocab_size == 1000
+    replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": "/elsewhere/on/a/remote/host"}))
+    async with SGLangClient(replay.url) as c:
+        await c.generate([10**6], SamplingParams(max_new_tokens=1))  # unknowable: unchecked, sent
+        assert c.vocab_size is None
+    async with SGLangClient(replay.url, vocab_size=None) as c:
+        await c.generate([10**6], SamplingParams(max_new_tokens=1))
+
+
 async def test_recorded_abort_response_is_a_partial_aborted_output(replay, client) -> None:
     resp = recorded("generate long (to be aborted)")["response"]
     resp["output_ids"] = [t for t in resp["output_ids"] if t != "..."]

@@ -18,6 +18,11 @@ do harm: GET requests (they change nothing) and any request whose TCP connection
 opened (nothing was sent). A POST that reached the server is never repeated: a repeated
 `/generate` would sample twice, a repeated release could hit a KeyError on resume.
 
+Out-of-vocabulary input ids are refused before sending: sglang 0.5.17 defines an input-id vocabulary
+check but never calls it, so such an id reaches the embedding lookup of the scheduler. The vocabulary
+size comes from `/server_info` (CPU engine) or the served folder's `config.json` when the server
+reports a local `model_path` (a server launched on this host); otherwise ids go unchecked.
+
 Tensor weight updates pick their transport from the server: the CPU engine's `/server_info` says
 `"tensor_transport": "safetensors"` and gets base64 safetensors bytes (no pickle on the network);
 real SGLang gets its own `MultiprocessingSerializer` payloads (CUDA IPC handles; one per TP rank,
@@ -31,6 +36,7 @@ import base64
 import json
 import logging
 import uuid
+from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import aiohttp
@@ -131,6 +137,7 @@ class SGLangClient:
         retries: int = 3,
         backoff: float = 0.2,
         max_connections: int = 2048,
+        vocab_size: int | None | Literal["auto"] = "auto",
     ) -> None:
         if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
             raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
@@ -144,6 +151,9 @@ class SGLangClient:
         self._session = session
         self._owns_session = session is None
         self._tp_size: int | None = None
+        #: "auto" until looked up; then the size, or None when it cannot be known (ids go unchecked)
+        self.vocab_size: int | None | Literal["auto"] = vocab_size
+        self._lookup_lock: anyio.Lock | None = None
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -251,8 +261,15 @@ class SGLangClient:
     ) -> GenerateOutput:
         # A rid is always sent so every request can be aborted by id.
         rid = rid or uuid.uuid4().hex
+        ids = [int(t) for t in input_ids]
+        vocab = await self.resolve_vocab_size()
+        if vocab is not None:
+            bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise EngineError("/generate", None, f"refused before sending: input_ids[{bad[0]}]={bad[1]} is out of "
+                                  f"vocabulary [0, {vocab}) (request {rid})", url=self.url)
         body = {
-            "input_ids": [int(t) for t in input_ids],
+            "input_ids": ids,
             "sampling_params": sampling_params.to_json(),
             "return_logprob": bool(return_logprob),
             "rid": rid,
@@ -302,6 +319,32 @@ class SGLangClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         return await self._success_call("/update_weights_from_disk", body)
+
+    async def resolve_vocab_size(self) -> int | None:
+        """The model's vocabulary size, looked up once (see module docstring); None if unknowable."""
+        if self.vocab_size != "auto":
+            return self.vocab_size  # type: ignore[return-value]
+        if self._lookup_lock is None:
+            self._lookup_lock = anyio.Lock()  # created in the running loop; concurrent first generates ask once
+        async with self._lookup_lock:
+            if self.vocab_size != "auto":
+                return self.vocab_size  # type: ignore[return-value]
+            vocab: int | None = None
+            try:
+                info = await self.server_info()
+                if info.get("vocab_size"):
+                    vocab = int(info["vocab_size"])
+                else:
+                    path = (await self.model_info()).get("model_path")
+                    cfg_file = Path(str(path)) / "config.json" if path else None
+                    if cfg_file is not None and cfg_file.is_file():
+                        cfg = json.loads(cfg_file.read_text())
+                        v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+                        vocab = int(v) if v else None
+            except (EngineError, OSError, ValueError) as e:
+                log.warning("vocab size of %s unknown (%s): input ids go unchecked", self.url, e)
+            self.vocab_size = vocab
+            return vocab
 
     async def resolve_tensor_transport(self) -> TensorTransport:
         """`safetensors` for the CPU engine, `cuda_ipc` for real SGLang (asked once, then cached)."""
