@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from agentloop.tools.parsers import (
     HermesToolCallParser,
+    Llama3ToolCallParser,
     ToolCall,
     ToolCallParser,
     format_hermes_call,
+    format_llama3_calls,
     get_parser,
     register_parser,
     registered_parsers,
@@ -154,3 +156,36 @@ def test_parse_never_raises_on_garbage(text):
         if c.error is None:
             assert isinstance(c.name, str) and c.name.strip() and isinstance(c.arguments, dict)
     assert "<tool_call>" not in content
+
+
+def test_llama3_python_tag_several_calls_and_content():
+    text = "Let me check.<|python_tag|>" + '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": "{}"}'
+    content, calls = get_parser("llama3").parse(text)
+    assert content == "Let me check."
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("f", {"x": 1}, None), ("g", {}, None)]
+    assert calls[0].raw == '{"name": "f", "parameters": {"x": 1}}'
+
+
+def test_llama3_whole_message_json_and_plain_text():
+    p = get_parser("llama32")
+    assert isinstance(p, Llama3ToolCallParser)
+    content, calls = p.parse(' {"name": "calculator", "parameters": {"expression": "1 + 2"}}')
+    assert content == "" and calls[0].name == "calculator" and calls[0].arguments == {"expression": "1 + 2"}
+    assert p.parse("The answer is 3.") == ("The answer is 3.", [])
+    assert p.parse('{"answer": 3}') == ('{"answer": 3}', [])  # JSON, but not a call
+    assert p.parse("{not json") == ("{not json", [])
+
+
+def test_llama3_malformed_calls_are_errors():
+    content, calls = get_parser("llama3").parse('ok<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "param')
+    assert content == "ok" and calls[0].ok and "invalid JSON" in calls[1].error
+    _, calls = get_parser("llama3").parse('<|python_tag|>{"parameters": {}}')
+    assert 'no "name"' in calls[0].error
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(names, arguments), min_size=1, max_size=4), free_text.filter(lambda s: "<|python_tag|>" not in s))
+def test_llama3_round_trip(calls, before):
+    content, parsed = get_parser("llama3").parse(before + format_llama3_calls(calls))
+    assert [(c.name, c.arguments, c.error) for c in parsed] == [(n, a, None) for n, a in calls]
+    assert content == before.strip()

@@ -2,7 +2,7 @@
 
 A parser never raises on model output: a malformed call (bad JSON, no name, an unterminated tag) comes
 back as a `ToolCall` with `error` set, so the agent loop can answer the model with the error as the tool
-result. Formats plug in with `@register_parser("name")`; built-in: `hermes` (alias `qwen`, `qwen25`).
+result. Formats plug in with `@register_parser("name")`; built-in: `hermes` (alias `qwen`, `qwen25`) and `llama3` (Llama 3.1/3.2 JSON calls).
 """
 
 from __future__ import annotations
@@ -13,7 +13,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["ToolCall", "ToolCallParser", "HermesToolCallParser", "register_parser", "get_parser", "registered_parsers"]
+__all__ = [
+    "ToolCall",
+    "ToolCallParser",
+    "HermesToolCallParser",
+    "Llama3ToolCallParser",
+    "register_parser",
+    "get_parser",
+    "registered_parsers",
+    "format_hermes_call",
+    "format_llama3_calls",
+]
 
 
 @dataclass
@@ -144,6 +154,56 @@ class HermesToolCallParser(ToolCallParser):
         end = k + len(self.close_tag)
         name, args, err = _normalize_call(obj)
         return ToolCall(name, args, text[start:end], err), end
+
+
+@register_parser("llama3", "llama32")
+class Llama3ToolCallParser(ToolCallParser):
+    """Llama 3.1/3.2 JSON tool calls: `<|python_tag|>{"name": ..., "parameters": {...}}` (several objects
+    separated by `;`), or a whole message that is such a JSON object (Llama 3.1's JSON-based calling).
+    Text before `<|python_tag|>` is content. A message that merely starts with `{` but is not a call
+    object stays content."""
+
+    tag = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._decoder = json.JSONDecoder()
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.tag)
+        if at >= 0:
+            return text[:at].strip(), self._parse_calls(text, at + len(self.tag))
+        stripped = text.lstrip()
+        if stripped.startswith("{"):
+            start = len(text) - len(stripped)
+            try:
+                obj, _ = self._decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                return text.strip(), []
+            if isinstance(obj, dict) and "name" in obj:
+                return "", self._parse_calls(text, start)
+        return text.strip(), []
+
+    def _parse_calls(self, text: str, pos: int) -> list[ToolCall]:
+        calls: list[ToolCall] = []
+        n = len(text)
+        while True:
+            while pos < n and (text[pos].isspace() or text[pos] == ";"):
+                pos += 1
+            if pos >= n:
+                return calls
+            try:
+                obj, end = self._decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                calls.append(ToolCall(None, None, text[pos:], f"invalid JSON in tool call: {e.msg} at char {e.pos - pos}"))
+                return calls
+            name, args, err = _normalize_call(obj)
+            calls.append(ToolCall(name, args, text[pos:end], err))
+            pos = end
+
+
+def format_llama3_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """Render calls the way Llama 3.2 does: `<|python_tag|>` then JSON objects joined by `; `."""
+    return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
 
 
 def format_hermes_call(name: str, arguments: dict[str, Any]) -> str:
