@@ -342,3 +342,27 @@ async def test_through_the_registry_calls_run_in_parallel_and_time_out():
     assert children() <= before
     bad = await reg.execute_calls([ToolCall("python", {"source": "1"}, "")], context=ToolContext("t"), timeout=3, max_parallel=1)
     assert bad[0].error_kind == "bad_arguments" and "'code' is a required property" in bad[0].content
+
+
+async def test_max_concurrent_interpreters_across_trajectories():
+    tool = PythonTool(max_concurrent=2, timeout=30)
+    reg = ToolRegistry([tool])
+    code = "import time; a = time.time(); time.sleep(0.4); print(a, time.time())"
+    spans: list[tuple[float, float]] = []
+
+    async def trajectory(i: int) -> None:
+        res = await reg.execute_calls([ToolCall("python", {"code": code}, "")] * 2, context=ToolContext(f"t{i}"),
+                                      timeout=30, max_parallel=2)
+        for r in res:
+            a, b = map(float, r.content.split())
+            spans.append((a, b))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(trajectory, i)
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda x: (x[0], x[1]))
+    cur = peak = 0
+    for _, d in events:
+        cur += d
+        peak = max(peak, cur)
+    assert len(spans) == 6 and peak == 2

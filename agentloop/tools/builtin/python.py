@@ -14,6 +14,8 @@ child `python -I -S -B` started without blocking the event loop (anyio subproces
 - no reads outside the scratch directory and the interpreter's import path (`restrict_reads`), so
   secrets of the worker (environment, /proc, home directory) never reach the model;
 - a wall-clock timeout after which the child's whole process group is killed (also on cancellation);
+- at most `max_concurrent` interpreters of one tool run at once in a worker (further calls queue, and the
+  queueing counts against the registry's per-call timeout);
 - stdout and stderr are captured up to a byte cap each (the rest is drained and counted, so a chatty
   child cannot block on a full pipe), decoded leniently, and returned with the exit status.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+from anyio.lowlevel import RunVar
 
 from ..base import Tool, ToolContext, ToolError
 
@@ -159,6 +162,7 @@ class PythonTool(Tool):
         extra_blocked_imports: list[str] | None = None,
         restrict_reads: bool = True,
         readable_paths: list[str] | None = None,
+        max_concurrent: int | None = None,
     ) -> None:
         if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0:
             raise ValueError("timeout, cpu_seconds and memory_mb must be positive")
@@ -175,6 +179,12 @@ class PythonTool(Tool):
         self.allow_site_packages = allow_site_packages
         self.blocked_imports = sorted(set(BLOCKED_IMPORTS) | set(extra_blocked_imports or ()))
         self.restrict_reads = restrict_reads
+        # One worker runs thousands of trajectories: cap the interpreters alive at once (per tool, across
+        # trajectories). A RunVar holds the limiter so each event loop gets its own.
+        self.max_concurrent = int(max_concurrent or max(2, os.cpu_count() or 2))
+        if self.max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        self._limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"python_tool_limiter_{id(self)}")
         self.readable_paths = [str(p) for p in (readable_paths or ())]
 
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
@@ -216,6 +226,15 @@ class PythonTool(Tool):
     async def run_code(self, code: str, *, scratch_parent: Path | str | None = None) -> SandboxOutput:
         """Run `code` in a fresh scratch directory and return what happened (never raises for the code's
         own failures; raises OSError if the interpreter cannot be started)."""
+        try:
+            limiter = self._limiter.get()
+        except LookupError:
+            limiter = anyio.CapacityLimiter(self.max_concurrent)
+            self._limiter.set(limiter)
+        async with limiter:
+            return await self._run_code(code, scratch_parent)
+
+    async def _run_code(self, code: str, scratch_parent: Path | str | None) -> SandboxOutput:
         caps = await sandbox_capabilities(self.python, self.use_namespaces)
         parent = str(scratch_parent) if scratch_parent is not None else self.scratch_root
         scratch = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="agentloop-py-", dir=parent))
