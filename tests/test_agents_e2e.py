@@ -155,6 +155,52 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
     assert sum(rewards) >= len(rewards) // 2, rewards  # the trained model mostly gets these right
 
 
+async def test_tiny_model_continues_after_a_hanging_and_a_raising_tool(tiny_engine: Engine) -> None:
+    """The model really calls `calculator`; here the calculator hangs (timed out) or raises: the
+    error text is the tool result the model reads, and the trajectory goes on to another turn."""
+    from transformers import AutoTokenizer
+
+    from agentloop.tasks.arithmetic import CALCULATOR_TOOL, generate_questions
+    from agentloop.tools import Tool, ToolContext, ToolRegistry
+
+    class BrokenCalculator(Tool):
+        name = "calculator"
+        description = CALCULATOR_TOOL["function"]["description"]
+        parameters = CALCULATOR_TOOL["function"]["parameters"]
+
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
+
+        async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+            if self.mode == "hang":
+                await anyio.sleep_forever()
+            raise ValueError("calculator is out of batteries")
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_engine.model_dir))
+    client = SGLangClient(tiny_engine.url)
+    lifecycle = Lifecycle([client])
+    q = generate_questions(1, seed=11)[0]
+    cfg = AgentConfig(max_assistant_turns=3, max_new_tokens_per_turn=96, tool_timeout=0.5,
+                      sampling=SamplingParams(temperature=0.0))
+    try:
+        for mode, needle in (("hang", "timed out"), ("raise", "out of batteries")):
+            uid = f"broken-{mode}"
+            rec = Recorder(lifecycle, tiny_engine.url, uid)
+            ctx = AgentContext(generate=rec, tokenizer=tok, config=cfg, tools=ToolRegistry([BrokenCalculator(mode)]))
+            s = Sample(uid=uid, messages=[{"role": "user", "content": q.question}], ground_truth=q.answer)
+            traj = await get_agent("tool").run(s, ctx)
+            assert traj.status in ("completed", "truncated"), (traj.status, traj.error)
+            assert_matches_engine(traj, rec)
+            assert traj.metrics["tool_errors"] >= 1 and traj.num_turns >= 2
+            assert needle in traj.messages[2]["content"]
+            assert needle in tok.decode(rec.inputs[1][len(rec.inputs[0]):])  # the model read the error
+            if mode == "hang":  # each tool turn ended at the 0.5 s timeout, not later
+                spans = [e.end - e.start for e in traj.timeline if e.kind == "tool"]
+                assert spans and all(0.45 <= d < 3.0 for d in spans), spans
+    finally:
+        await client.close()
+
+
 def _random_ctx(engine: Engine, lifecycle: Lifecycle, uid: str, **cfg: Any) -> tuple[AgentContext, Recorder]:
     from transformers import AutoTokenizer
 
