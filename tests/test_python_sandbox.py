@@ -118,10 +118,15 @@ async def test_killed_past_cpu_time_limit():
     t = PythonTool(cpu_seconds=1, timeout=60)
     t0 = anyio.current_time()
     res = await t.run_code("while True: pass")
-    assert res.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and not res.timed_out
+    assert res.returncode == -signal.SIGXCPU and not res.timed_out
     assert anyio.current_time() - t0 < 30  # stopped by CPU time, long before the wall clock
     with pytest.raises(ToolError, match="CPU time limit of 1 seconds exceeded"):
-        t.format(res)
+        t.render(res)
+    # code that ignores SIGXCPU is killed by the hard limit one second later
+    res = await t.run_code("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass")
+    assert res.returncode == -signal.SIGKILL and not res.timed_out
+    with pytest.raises(ToolError, match="killed by SIGKILL"):
+        t.render(res)
 
 
 async def test_memory_limit():

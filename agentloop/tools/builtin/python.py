@@ -192,9 +192,10 @@ class PythonTool(Tool):
         if not isinstance(code, str):
             raise ToolError("argument 'code' must be a string of Python source")
         out = await self.run_code(code, scratch_parent=context.scratch_dir)
-        return self.format(out)
+        return self.render(out)
 
-    def format(self, out: SandboxOutput) -> str:
+    def render(self, out: SandboxOutput) -> str:
+        """The text for the model; raises ToolError when the code was killed (with what it printed)."""
         parts: list[str] = []
         if out.stdout:
             parts.append(out.stdout.rstrip("\n"))
@@ -211,10 +212,13 @@ class PythonTool(Tool):
             problem = f"timed out after {self.timeout:g} seconds (wall clock); the process was killed"
         elif rc is not None and rc < 0:
             sig = -rc
-            if sig in (signal.SIGXCPU, signal.SIGKILL):
-                problem = f"killed: CPU time limit of {self.cpu_seconds} seconds exceeded" if sig == signal.SIGXCPU or out.seconds < self.timeout else f"killed by signal {signal.Signals(sig).name}"
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            if sig == signal.SIGXCPU:
+                problem = f"killed: CPU time limit of {self.cpu_seconds} seconds exceeded"
+            elif sig == signal.SIGKILL:  # the CPU hard limit (SIGXCPU ignored by the code) or the OOM killer
+                problem = f"killed by SIGKILL (CPU time limit of {self.cpu_seconds} seconds or memory exhausted)"
             else:
-                problem = f"killed by signal {signal.Signals(sig).name}" if sig in signal.Signals._value2member_map_ else f"killed by signal {sig}"
+                problem = f"killed by signal {name}"
         elif rc:
             if "MemoryError" in out.stderr:
                 text += f"\n(memory limit of {self.memory_mb} MiB exceeded)"
