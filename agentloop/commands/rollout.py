@@ -17,6 +17,7 @@ asleep or stopped, finished trajectories and a summary of them written).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import signal
@@ -182,6 +183,7 @@ class _Run:
     engine_urls: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     written: list[Path] = field(default_factory=list)
+    runtime: Any = None
 
 
 def _rollout_window(records: Sequence[StageRecord]) -> float | None:
@@ -200,7 +202,7 @@ async def _run_steps(run: _Run) -> None:
     out = Path(cfg.out)
     where = ", ".join(cfg.runtime.engine.urls) or "the embedded CPU engine"
     run.progress.message(f"starting {where} ...")
-    runtime = Runtime(cfg.runtime)
+    runtime = run.runtime = Runtime(cfg.runtime)
     try:
         await runtime.start()
         assert runtime.lifecycle is not None
@@ -316,19 +318,37 @@ def _engine_failure(e: BaseException) -> str | None:
     return "; ".join(dict.fromkeys(messages)) or None
 
 
+async def _force_stop(run: _Run) -> None:
+    """Second interrupt: stop the engine processes this run started, now. The graceful sleep that
+    may be waiting on them then fails fast, and nothing is left running behind us."""
+    for p in list(getattr(run.runtime, "processes", None) or []):
+        with contextlib.suppress(Exception):
+            await p.stop()
+
+
 async def _main(run: _Run) -> int:
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
 
         async def on_signal() -> None:
+            # Receives for the whole run, cleanup included: 1st signal = graceful stop; 2nd = stop the
+            # engines we started without waiting; 3rd = exit at once.
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                count = 0
                 async for signum in signals:
-                    run.interrupted = True
-                    run.progress.message(f"{signal.Signals(signum).name}: stopping (aborting in-flight requests, "
-                                         "putting the engines to sleep, writing finished trajectories) ...")
-                    work.cancel()
-                    return  # the receiver closes: a second Ctrl-C gets Python's default (KeyboardInterrupt)
+                    count += 1
+                    name = signal.Signals(signum).name
+                    if count == 1:
+                        run.interrupted = True
+                        run.progress.message(f"{name}: stopping (aborting in-flight requests, putting the engines to "
+                                             "sleep, writing finished trajectories); again to hurry ...")
+                        work.cancel()
+                    elif count == 2:
+                        run.progress.message(f"{name}: stopping the engines this run started now; again to exit at once")
+                        tg.start_soon(_force_stop, run)
+                    else:
+                        raise KeyboardInterrupt
 
         tg.start_soon(on_signal)
         with work:
@@ -340,11 +360,11 @@ async def _main(run: _Run) -> int:
                     raise
                 run.error = message
                 code = EXIT_ENGINE
+        if run.interrupted:
+            code = EXIT_INTERRUPTED
+        with anyio.CancelScope(shield=True):
+            run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
         tg.cancel_scope.cancel()
-    if run.interrupted:
-        code = EXIT_INTERRUPTED
-    with anyio.CancelScope(shield=True):
-        run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
     return code
 
 
@@ -369,8 +389,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress:
             code = anyio.run(_main, state)
-    except KeyboardInterrupt:  # Ctrl-C before the signal handler was installed, or a second one
-        return EXIT_INTERRUPTED
+    except BaseException as e:
+        # Ctrl-C before the signal handler was installed, or a third one (possibly inside a group).
+        if all(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(e)):
+            print("agentloop rollout: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        raise
     if state.error:
         print(f"agentloop rollout: {state.error}", file=sys.stderr)
     _print_result(state, code)
