@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -157,8 +158,6 @@ def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> 
 
 
 def _relabel(s: Sample, uid: str) -> Sample:
-    import dataclasses
-
     return dataclasses.replace(s, uid=uid, extra=dict(s.extra))
 
 
@@ -246,13 +245,13 @@ async def _run_steps(run: _Run) -> None:
                 for s in carry:
                     if s.resume_from is not None:
                         await done(s.resume_from)
-            run.progress.end_step(_step_summary(rec, run))
+            run.progress.end_step(_step_summary(rec))
     finally:
         with anyio.CancelScope(shield=True):
             await runtime.stop()
 
 
-def _step_summary(rec: _StepRecord, run: _Run) -> dict[str, Any]:
+def _step_summary(rec: _StepRecord) -> dict[str, Any]:
     rollout = rec.metrics.get("rollout_seconds")
     if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
         rollout = _rollout_window(rec.records)
@@ -271,12 +270,12 @@ def _finish_outputs(run: _Run) -> list[Path]:
         written.append(jsonl)
     rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
     written.append(write_parquet(out / PARQUET_NAME, rows))
-    summaries = [_step_summary(rec, run) for rec in run.steps]
+    summaries = [_step_summary(rec) for rec in run.steps]
     summary = summarize_run(
         summaries,
         interrupted=run.interrupted,
         error=run.error,
-        data=run.cfg.data or "bundled:arithmetic.jsonl",
+        data=run.dataset.path,
         prompts=len(run.dataset.samples),
         bad_rows=len(run.dataset.bad_rows),
         engines=run.engine_urls or run.cfg.runtime.engine.urls,
