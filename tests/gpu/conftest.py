@@ -18,57 +18,52 @@ from typing import Any
 import anyio
 import pytest
 
-from gpu_helpers import QWEN2_05B, RESULTS, SEED_A, gpu_memory, hf_param_shapes, make_weights, out_dir
+from gpu_helpers import DRYRUN, QWEN2_05B, RESULTS, SEED_A, gpu_memory, hf_param_shapes, launch, make_weights, out_dir
 
 # ------------------------------------------------------------------ servers
 class ServerHandle:
-    """A started SGLang server plus what the tests need to know about it."""
+    """A started server (SGLang, or the CPU engine in a dry run) plus what the tests need to know."""
 
-    def __init__(self, server: Any, model_config: dict[str, Any], weights_a: dict[str, Any] | None) -> None:
+    def __init__(self, server: Any, model_config: dict[str, Any]) -> None:
         self.server = server
         self.url: str = server.url
         self.model_config = model_config
-        self.weights_a = weights_a
+        self.vocab: int = int(model_config["vocab_size"])
+        self.shapes = hf_param_shapes(model_config)
+        #: the trainer's "current" weights: loaded by the lifecycle test, restored after each test
+        self.weights_a = make_weights(self.shapes, SEED_A)
 
-
-def _start(server: Any, timeout: float) -> None:
-    anyio.run(lambda: server.start(timeout=timeout))
-
-
-def _stop(server: Any) -> None:
-    anyio.run(server.stop)
+    def alive(self) -> bool:
+        proc = getattr(self.server, "proc", None) or getattr(self.server, "_proc", None)
+        return proc is not None and proc.poll() is None
 
 
 @pytest.fixture(scope="session")
 def dummy_server():
-    """SGLang serving a Qwen2-0.5B-shaped dummy model, memory saver on; stopped at session end."""
-    import torch
+    """SGLang serving a Qwen2-0.5B-shaped dummy model with memory saver on (dry run: the CPU engine
+    on a random Qwen2 model); shared by the lifecycle/control/error tests, stopped at session end."""
+    if DRYRUN:
+        from agentloop.models.random_model import make_random_model
 
-    from agentloop.engine.launch import SGLangLaunchConfig, SGLangServer
-
-    model_dir = out_dir() / "qwen2_05b_dummy"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(QWEN2_05B, indent=1))
-    cfg = SGLangLaunchConfig(model_path=str(model_dir), load_format="dummy",
-                             mem_fraction_static=float(os.environ.get("AGENTLOOP_GPU_MEM_FRACTION", "0.4")),
-                             cuda_graph=os.environ.get("AGENTLOOP_GPU_CUDA_GRAPH", "0") == "1")
-    server = SGLangServer(cfg, log_path=out_dir() / "sglang_dummy_server.log")
+        model_dir = make_random_model(out_dir() / "dryrun_qwen2", arch="qwen2")
+        config = json.loads((model_dir / "config.json").read_text())
+    else:
+        model_dir = out_dir() / "qwen2_05b_dummy"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(QWEN2_05B, indent=1))
+        config = QWEN2_05B
     mem_before = gpu_memory()
     t0 = time.monotonic()
-    _start(server, float(os.environ.get("AGENTLOOP_GPU_START_TIMEOUT", "420")))
-    RESULTS["servers"]["dummy"] = {"command": shlex.join(cfg.argv(int(server.url.rsplit(":", 1)[1]))),
-                                   "startup_seconds": round(time.monotonic() - t0, 1),
+    server, command = launch("dummy", model_dir, load_format="dummy",
+                             mem_fraction=float(os.environ.get("AGENTLOOP_GPU_MEM_FRACTION", "0.4")))
+    RESULTS["servers"]["dummy"] = {"command": command, "startup_seconds": round(time.monotonic() - t0, 1),
                                    "gpu_memory_before_start": mem_before, "gpu_memory_after_start": gpu_memory()}
-    shapes = hf_param_shapes(QWEN2_05B)
-    handle = ServerHandle(server, QWEN2_05B, make_weights(shapes, SEED_A))
-    handle.shapes = shapes  # type: ignore[attr-defined]
+    handle = ServerHandle(server, config)
     try:
         yield handle
     finally:
-        RESULTS["servers"]["dummy"]["alive_at_end"] = server.proc is not None and server.proc.poll() is None
-        _stop(server)
-        del handle
-        torch.cuda.empty_cache()
+        RESULTS["servers"]["dummy"]["alive_at_end"] = handle.alive()
+        anyio.run(server.stop)
 
 
 @pytest.fixture
@@ -89,7 +84,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def _environment() -> dict[str, Any]:
-    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+    env: dict[str, Any] = {"dryrun_on_cpu_engine": DRYRUN, "python": sys.version.split()[0], "platform": platform.platform(),
                            "command": os.environ.get("AGENTLOOP_GPU_COMMAND", shlex.join(sys.argv))}
     try:
         import torch

@@ -8,14 +8,46 @@
   after it, and listing every `/generate` or `/health` that went out while the lifecycle was not
   AWAKE (must stay empty: real SGLang crashes on a generate while released).
 - `RESULTS` / `record`: what the tests measure; conftest writes it to `$AGENTLOOP_GPU_RESULTS`.
+- `DRYRUN` (`AGENTLOOP_GPU_DRYRUN=1`): the same tests against the CPU engine (`agentloop serve` on a
+  random Qwen2 model, CPU tensors, no memory readings), to debug the test code itself without
+  spending GPU time. Results of a dry run are not GPU results.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
+
+import anyio
+
+
+DRYRUN = os.environ.get("AGENTLOOP_GPU_DRYRUN") == "1"
+
+
+def enabled() -> tuple[bool, str]:
+    """Whether the GPU tests can run here (a CUDA GPU and sglang, or a dry run)."""
+    if DRYRUN:
+        return True, ""
+    try:
+        import torch
+    except ImportError:
+        return False, "needs torch"
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU"
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return False, "needs sglang"
+    return True, ""
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 RESULTS: dict[str, Any] = {"tests": {}, "servers": {}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -29,7 +61,6 @@ QWEN2_05B: dict[str, Any] = {
     "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24,
     "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
 }
-VOCAB = QWEN2_05B["vocab_size"]
 SEED_A, SEED_B = 0, 1
 
 
@@ -44,6 +75,8 @@ def gpu_memory() -> dict[str, float]:
     """Device-wide used/free GiB (every process on the GPU, the servers' schedulers included)."""
     import torch
 
+    if not torch.cuda.is_available():  # dry run
+        return {"used_gib": 0.0, "free_gib": 0.0}
     free, total = torch.cuda.mem_get_info()
     return {"used_gib": round((total - free) / 2**30, 3), "free_gib": round(free / 2**30, 3)}
 
@@ -69,14 +102,15 @@ def make_weights(shapes: list[tuple[str, tuple[int, ...]]], seed: int, *, dtype:
     import torch
 
     dtype = dtype or torch.bfloat16
-    g = torch.Generator(device="cuda")
+    dev = device()
+    g = torch.Generator(device=dev)
     g.manual_seed(seed)
     out = {}
     for name, shape in shapes:
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=dtype, device="cuda")
+            out[name] = torch.ones(shape, dtype=dtype, device=dev)
         else:
-            out[name] = (torch.randn(shape, generator=g, device="cuda") * 0.02).to(dtype)
+            out[name] = (torch.randn(shape, generator=g, device=dev) * 0.02).to(dtype)
     return out
 
 
@@ -132,6 +166,27 @@ def _short(args: tuple[Any, ...]) -> Any:
         else:
             out.append(type(a).__name__)
     return out
+
+
+# ------------------------------------------------------------------ servers
+def launch(name: str, model_dir: Path, *, load_format: str | None = None, mem_fraction: float = 0.4,
+           extra_args: tuple[str, ...] = ()) -> tuple[Any, str]:
+    """Start SGLang on `model_dir` (or, in a dry run, `agentloop serve`); returns (server, command)."""
+    if DRYRUN:
+        from agentloop.engine.local.process import LocalEngineProcess
+
+        proc = LocalEngineProcess(model_dir, extra_args=["--num-threads", "1", "--log-level", "warning"],
+                                  log_path=out_dir() / f"dryrun_{name}.log")
+        anyio.run(lambda: proc.start(timeout=180))
+        return proc, shlex.join(proc.command())
+    from agentloop.engine.launch import SGLangLaunchConfig, SGLangServer
+
+    cfg = SGLangLaunchConfig(model_path=str(model_dir), load_format=load_format, mem_fraction_static=mem_fraction,
+                             cuda_graph=os.environ.get("AGENTLOOP_GPU_CUDA_GRAPH", "0") == "1", extra_args=extra_args)
+    server = SGLangServer(cfg, log_path=out_dir() / f"sglang_{name}_server.log")
+    anyio.run(lambda: server.start(timeout=float(os.environ.get("AGENTLOOP_GPU_START_TIMEOUT", "420"))))
+    return server, shlex.join(cfg.argv(int(server.url.rsplit(":", 1)[1])))
+
 
 
 # ------------------------------------------------------------------ results

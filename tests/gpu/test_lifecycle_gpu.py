@@ -14,10 +14,12 @@ import time
 
 import pytest
 
-pytest.importorskip("sglang")
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+from gpu_helpers import enabled  # noqa: E402
+
+_ok, _why = enabled()
+if not _ok:
+    pytest.skip(_why, allow_module_level=True)
+import torch  # noqa: E402
 
 import anyio  # noqa: E402
 
@@ -25,7 +27,7 @@ from agentloop.engine.base import SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import EngineState, Lifecycle, Weights  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
 
-from gpu_helpers import VOCAB, InstrumentedClient, gpu_memory, record  # noqa: E402
+from gpu_helpers import DRYRUN, InstrumentedClient, device, gpu_memory, record  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.anyio]
 
@@ -33,13 +35,13 @@ N_TRAJ, TURNS, TURN_TOKENS = 16, 3, 32
 
 
 def perturbed(weights: dict, seed: int, scale: float = 0.01) -> dict:
-    g = torch.Generator(device="cuda")
+    g = torch.Generator(device=device())
     g.manual_seed(seed)
-    return {n: (t.float() + torch.randn(t.shape, generator=g, device="cuda") * scale).to(t.dtype)
+    return {n: (t.float() + torch.randn(t.shape, generator=g, device=device()) * scale).to(t.dtype)
             for n, t in weights.items()}
 
 
-async def multi_turn(lc: Lifecycle, url: str, prompt: list[int], rng: random.Random, step: int, i: int) -> dict:
+async def multi_turn(lc: Lifecycle, url: str, prompt: list[int], rng: random.Random, step: int, i: int, vocab: int) -> dict:
     """One trajectory: model turn, then a 'tool/user' turn of fixed ids appended, TURNS times."""
     ids = list(prompt)
     turns = []
@@ -50,17 +52,24 @@ async def multi_turn(lc: Lifecycle, url: str, prompt: list[int], rng: random.Ran
         assert all(lp <= 0.0 for lp in out.output_logprobs)
         turns.append({"weight_version": out.weight_version, "finish": out.finish_type,
                       "cached_tokens": out.cached_tokens, "prompt_tokens": out.prompt_tokens})
-        ids += out.output_ids + [rng.randrange(100, VOCAB - 1) for _ in range(8)]
+        ids += out.output_ids + [rng.randrange(3, vocab) for _ in range(8)]
     return {"turns": turns, "total_tokens": len(ids)}
 
 
-async def greedy_probe(lc: Lifecycle, url: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs, one request at a time (batch size 1: no batch-composition noise)."""
+async def greedy_probe(lc: Lifecycle, url: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Greedy (ids, logprobs), one request at a time (batch size 1: no batch-composition noise)."""
     outs = []
     for p in prompts:
         o = await lc.generate(url, p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-        outs.append(o.output_ids)
+        outs.append((o.output_ids, o.output_logprobs))
     return outs
+
+
+def same_outputs(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]], tol: float) -> bool:
+    """Same greedy ids and logprobs within `tol` (random weights can make greedy ids repeat a
+    prompt token whatever the weights; the logprobs still tell the weights apart)."""
+    return all(ia == ib and max((abs(x - y) for x, y in zip(la, lb)), default=0.0) <= tol
+               for (ia, la), (ib, lb) in zip(a, b))
 
 
 async def test_three_step_staged_lifecycle(dummy_server) -> None:
@@ -71,13 +80,13 @@ async def test_three_step_staged_lifecycle(dummy_server) -> None:
     states_at_dispatch: list[str] = []
     lc.on_generate = lambda _u, s: states_at_dispatch.append(s.value)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, VOCAB - 1) for _ in range(64)] for _ in range(N_TRAJ)]
+    prompts = [[rng.randrange(3, dummy_server.vocab) for _ in range(64)] for _ in range(N_TRAJ)]
     probes = prompts[:4]
     w_a = dummy_server.weights_a
     w_b = perturbed(w_a, seed=7)
     step_weights = {1: w_a, 2: w_b, 3: w_a}
     steps = []
-    greedy: dict[int, list[list[int]]] = {}
+    greedy: dict[int, list[tuple[list[int], list[float]]]] = {}
     try:
         await lc.sleep()  # the server starts awake with its dummy weights: step 0 is the first release
         asleep_mem = gpu_memory()
@@ -94,7 +103,7 @@ async def test_three_step_staged_lifecycle(dummy_server) -> None:
             results: list[dict] = [{}] * N_TRAJ
 
             async def one(i: int) -> None:
-                results[i] = await multi_turn(lc, url, prompts[i], random.Random(step * 1000 + i), step, i)
+                results[i] = await multi_turn(lc, url, prompts[i], random.Random(step * 1000 + i), step, i, dummy_server.vocab)
 
             async with anyio.create_task_group() as tg:
                 for i in range(N_TRAJ):
@@ -116,8 +125,8 @@ async def test_three_step_staged_lifecycle(dummy_server) -> None:
                 "memory_after_each_call": client.events[n_events:],
             })
         # step 2 loaded different weights, step 3 step 1's again
-        assert greedy[1] != greedy[2], "outputs did not change after loading perturbed weights"
-        assert greedy[1] == greedy[3], "same weights, same greedy outputs (batch size 1)"
+        assert not same_outputs(greedy[1], greedy[2], 1e-3), "outputs did not change after loading perturbed weights"
+        assert same_outputs(greedy[1], greedy[3], 1e-4), "same weights, same greedy outputs (batch size 1)"
         assert lc.generations_outside_awake == 0
         assert client.sent_outside_awake == [], client.sent_outside_awake
         assert set(states_at_dispatch) == {"AWAKE"}
@@ -125,10 +134,11 @@ async def test_three_step_staged_lifecycle(dummy_server) -> None:
         freed = [ev[k - 1]["used_gib"] - ev[k]["used_gib"] for k in range(1, len(ev))
                  if ev[k]["call"] == "release_memory_occupation"]
         # every release gives back the KV cache and the weights: GiBs, not MiBs
-        assert len(freed) == 4 and all(f > 1.0 for f in freed), freed
+        assert len(freed) == 4 and (DRYRUN or all(f > 1.0 for f in freed)), freed
         resumed_w = [e for e in ev if e["call"] == "resume_memory_occupation" and e["args"] == [["weights"]]]
         record("test_three_step_staged_lifecycle", steps=steps, asleep_memory_before_step1=asleep_mem,
-               greedy_step1_eq_step3=greedy[1] == greedy[3], greedy_step1_ne_step2=greedy[1] != greedy[2],
+               greedy_ids={k: [ids for ids, _ in v] for k, v in greedy.items()},
+               greedy_step1_vs_step2_max_logprob_diff=max(abs(x - y) for (_, a), (_, b) in zip(greedy[1], greedy[2]) for x, y in zip(a, b)),
                generations_outside_awake=lc.generations_outside_awake,
                generate_or_health_sent_outside_awake=len(client.sent_outside_awake),
                requests_sent=client.sent, gib_freed_by_each_release=freed,
