@@ -142,6 +142,26 @@ async def test_memory_limit():
     assert "MemoryError" in out
 
 
+async def test_scratch_size_limit_when_tmpfs_is_available(tmp_path):
+    caps = await sandbox_capabilities()
+    if not caps.tmpfs:
+        pytest.skip("no mount namespace here: scratch space is bounded per file only (RLIMIT_FSIZE)")
+    t = PythonTool(max_scratch_mb=2, max_file_mb=16, scratch_root=str(tmp_path))
+    out = await run(t, """
+        written = 0
+        try:
+            for i in range(100):
+                with open(f"f{i}", "wb") as f:
+                    f.write(b"x" * 512 * 1024)
+                written += 1
+        except OSError as e:
+            print(written, e.strerror)
+    """)
+    n, _, err = out.partition(" ")
+    assert int(n) <= 4 and err == "No space left on device", out  # 2 MiB hold four 512 KiB files
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_file_size_limit():
     out = await run(PythonTool(max_file_mb=1), "open('big', 'wb').write(b'x' * (2 * 1024 * 1024))")
     assert "File too large" in out

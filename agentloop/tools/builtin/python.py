@@ -14,6 +14,8 @@ child `python -I -S -B` started without blocking the event loop (anyio subproces
 - no reads outside the scratch directory and the interpreter's import path (`restrict_reads`), so
   secrets of the worker (environment, /proc, home directory) never reach the model;
 - a wall-clock timeout after which the child's whole process group is killed (also on cancellation);
+- the scratch directory is a tmpfs of `max_scratch_mb` in a private mount namespace where the host allows
+  it (`unshare -m`), so many files cannot fill the disk; otherwise only RLIMIT_FSIZE bounds each file;
 - at most `max_concurrent` interpreters of one tool run at once in a worker (further calls queue, and the
   queueing counts against the registry's per-call timeout);
 - stdout and stderr are captured up to a byte cap each (the rest is drained and counted, so a chatty
@@ -67,6 +69,12 @@ class SandboxOutput:
 class _Caps:
     unshare_prefix: tuple[str, ...]  # command prefix for a new network namespace, () if unavailable
     drop_uid: int | None  # uid to drop to (root only), None to stay
+    tmpfs: bool = False  # the prefix can also take "-m" and mount a size-limited tmpfs on the scratch dir
+
+
+# Run inside the new mount namespace: a tmpfs of $2 bytes over the scratch dir $1 (owned by uid $3 if
+# given), then exec the interpreter. The mount dies with the namespace, so nothing outlives the call.
+_MOUNT_SCRIPT = 'mount -t tmpfs -o "size=$2,mode=0700${3:+,uid=$3,gid=$3}" tmpfs "$1" && shift 3 && exec "$@"'
 
 
 # Probed once per process. No lock: concurrent first probes are idempotent, and an anyio lock kept in
@@ -104,7 +112,15 @@ async def sandbox_capabilities(python: str = sys.executable, use_namespaces: boo
             if await _works([*c, python, "-I", "-S", "-c", "pass"]):
                 prefix = c
                 break
-    caps = _Caps(prefix, drop)
+    tmpfs = False
+    if prefix:
+        probe_dir = await anyio.to_thread.run_sync(tempfile.mkdtemp)
+        try:
+            tmpfs = await _works([*prefix, "-m", "/bin/sh", "-c", _MOUNT_SCRIPT, "sh", probe_dir, "1m",
+                                  str(drop) if drop is not None else "", "true"])
+        finally:
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(probe_dir, ignore_errors=True))
+    caps = _Caps(prefix, drop, tmpfs)
     _caps_cache[key] = caps
     return caps
 
@@ -163,6 +179,7 @@ class PythonTool(Tool):
         restrict_reads: bool = True,
         readable_paths: list[str] | None = None,
         max_concurrent: int | None = None,
+        max_scratch_mb: int | None = 64,
     ) -> None:
         if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0:
             raise ValueError("timeout, cpu_seconds and memory_mb must be positive")
@@ -186,6 +203,7 @@ class PythonTool(Tool):
             raise ValueError("max_concurrent must be >= 1")
         self._limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"python_tool_limiter_{id(self)}")
         self.readable_paths = [str(p) for p in (readable_paths or ())]
+        self.max_scratch_mb = max_scratch_mb
 
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
         code = arguments.get("code")
@@ -266,7 +284,12 @@ class PythonTool(Tool):
         }
         # -u: unbuffered, so what was printed before a kill (timeout, CPU limit) still comes back.
         flags = ["-I", "-B", "-u"] + ([] if self.allow_site_packages else ["-S"])
-        cmd = [*caps.unshare_prefix, self.python, *flags, str(_BOOT), json.dumps(cfg)]
+        cmd = [self.python, *flags, str(_BOOT), json.dumps(cfg)]
+        if caps.tmpfs and self.max_scratch_mb:
+            uid = str(caps.drop_uid) if caps.drop_uid is not None else ""
+            cmd = [*caps.unshare_prefix, "-m", "/bin/sh", "-c", _MOUNT_SCRIPT, "sh", scratch, f"{self.max_scratch_mb}m", uid, *cmd]
+        else:
+            cmd = [*caps.unshare_prefix, *cmd]
         env = {
             "PATH": "/usr/bin:/bin",
             "HOME": scratch,
