@@ -151,13 +151,27 @@ async def test_hanging_tool_times_out_while_others_complete():
     assert len(tool.spans) == 3  # the hanging call was cancelled (its finally ran), not leaked
 
 
-async def test_raising_tool_returns_its_error_text():
+async def test_raising_tool_returns_its_error_text(caplog):
     reg = ToolRegistry([BoomTool()])
     res = await reg.execute_calls(
         [ToolCall("boom", {}, ""), ToolCall("boom", {"kind": "tool_error"}, "")], context=ctx(), timeout=5, max_parallel=2
     )
     assert (res[0].ok, res[0].error_kind, res[0].content) == (False, "exception", "Error: RuntimeError: kaboom")
     assert (res[1].ok, res[1].error_kind, res[1].content) == (False, "exception", "Error: the widget is out of order")
+    # the unexpected exception's traceback is logged for people (once), the ToolError is not
+    logged = [r for r in caplog.records if r.name == "agentloop.tools.registry"]
+    assert len(logged) == 1 and logged[0].exc_info[0] is RuntimeError
+
+
+async def test_timeout_error_raised_inside_a_tool_is_not_our_timeout():
+    class Inner(Tool):
+        name = "inner"
+
+        async def execute(self, arguments, context):
+            raise TimeoutError
+
+    res = await ToolRegistry([Inner()]).execute_calls([ToolCall("inner", {}, "")], context=ctx(), timeout=5, max_parallel=1)
+    assert (res[0].error_kind, res[0].content) == ("exception", "Error: TimeoutError")
 
 
 @pytest.mark.parametrize("max_parallel", [1, 2, 5])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +26,8 @@ from .parsers import ToolCall
 from .truncate import SIDES, Side, truncate_by_tokens
 
 __all__ = ["ToolRegistry", "ToolConfigError", "load_tool_class"]
+
+logger = logging.getLogger(__name__)
 
 
 class ToolConfigError(ValueError):
@@ -49,6 +52,12 @@ def load_tool_class(path: str) -> type[Tool]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: first line of the message` (just `Type` when there is no message)."""
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0]}" if msg else type(e).__name__
 
 
 class ToolRegistry:
@@ -245,13 +254,15 @@ class ToolRegistry:
             if scope is not None and scope.cancelled_caught:  # ours, not one raised inside the tool
                 return ToolResult(index, call.name, f"Error: tool {call.name!r} timed out after {timeout:g} seconds", ok=False,
                                   error_kind="timeout", seconds=time.monotonic() - t0, call_id=call.id)
-            return ToolResult(index, call.name, f"Error: TimeoutError: {_first_line(e)}", ok=False,
+            return ToolResult(index, call.name, f"Error: {_describe(e)}", ok=False,
                               error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
         except ToolError as e:
             return ToolResult(index, call.name, f"Error: {e}", ok=False, error_kind=e.kind,
                               seconds=time.monotonic() - t0, call_id=call.id)
         except Exception as e:  # a tool bug or a failing call: the model gets the message, the trajectory goes on
-            return ToolResult(index, call.name, f"Error: {type(e).__name__}: {_first_line(e)}", ok=False,
+            # Not a ToolError, so possibly a bug in the tool: keep the traceback for whoever runs the worker.
+            logger.warning("tool %r raised in trajectory %s", call.name, context.trajectory_id, exc_info=True)
+            return ToolResult(index, call.name, f"Error: {_describe(e)}", ok=False,
                               error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
         if not isinstance(out, str):
             out = str(out)
