@@ -25,6 +25,7 @@ Each trajectory gets `metrics` (queue/wait/generate/tool seconds) and "queue"/"w
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 import traceback
@@ -110,6 +111,8 @@ class Scheduler:
         self.tools = tools
         self.interaction = interaction
         self.default_agent = default_agent
+        #: `rewards.score` scores nothing for a sample that names no reward function, and bounds itself.
+        self._builtin_reward = reward_fn is None
         if reward_fn is None:
             from . import rewards
 
@@ -164,6 +167,8 @@ class _Run:
         self.tg: anyio.abc.TaskGroup | None = None
         self.sessions: dict[int, RouteSession] = {}
         self.timed_out: set[int] = set()
+        self.deadlines: list[tuple[float, int]] = []  # heap of (deadline, trajectory index)
+        self._deadline_added = anyio.Event()
 
     async def run(self, samples: Sequence[Sample]) -> ScheduleResult:
         self.jobs = expand_samples(samples, self.cfg.n)
@@ -175,10 +180,14 @@ class _Run:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", self.cfg.target_groups, len(self.groups))
         t0 = self.clock()
         limit = anyio.Semaphore(self.cfg.concurrency)
-        async with anyio.create_task_group() as tg:
-            self.tg = tg
-            for i in range(len(self.jobs)):
-                tg.start_soon(self._one, i, limit, t0)
+        async with anyio.create_task_group() as outer:
+            if self.cfg.trajectory_timeout is not None:
+                outer.start_soon(self._watch_deadlines)
+            async with anyio.create_task_group() as tg:
+                self.tg = tg
+                for i in range(len(self.jobs)):
+                    tg.start_soon(self._one, i, limit, t0)
+            outer.cancel_scope.cancel()  # every trajectory is done: the deadline watcher ends
         wall = self.clock() - t0
         return self._result(wall)
 
@@ -221,21 +230,18 @@ class _Run:
         traj: Trajectory | None = None
         error: str | None = None
         hard = (cfg.trajectory_timeout + cfg.abort_grace) if cfg.trajectory_timeout is not None else None
+        if cfg.trajectory_timeout is not None:
+            self._add_deadline(self.clock() + cfg.trajectory_timeout, i)
         try:
             with anyio.move_on_after(hard) as scope:
-                async with anyio.create_task_group() as inner:
-                    if cfg.trajectory_timeout is not None:
-                        inner.start_soon(self._watchdog, i, session, cfg.trajectory_timeout)
-                    try:
-                        traj = await self.s._agent(name).run(job, ctx)
-                        if not isinstance(traj, Trajectory):
-                            raise TypeError(f"agent loop {name!r} returned {type(traj).__name__}, not a Trajectory")
-                    except Exception as e:  # failure isolation: this trajectory fails, the step goes on
-                        traj = None
-                        error = f"{type(e).__name__}: {e}"
-                        log.warning("trajectory %s failed in agent %r:\n%s", job.uid, name, traceback.format_exc())
-                    finally:
-                        inner.cancel_scope.cancel()  # the watchdog
+                try:
+                    traj = await self.s._agent(name).run(job, ctx)
+                    if not isinstance(traj, Trajectory):
+                        raise TypeError(f"agent loop {name!r} returned {type(traj).__name__}, not a Trajectory")
+                except Exception as e:  # failure isolation: this trajectory fails, the step goes on
+                    traj = None
+                    error = f"{type(e).__name__}: {e}"
+                    log.warning("trajectory %s failed in agent %r:\n%s", job.uid, name, traceback.format_exc())
             if scope.cancelled_caught:
                 error = f"trajectory did not return within {hard:.1f}s (timeout {cfg.trajectory_timeout}s + grace {cfg.abort_grace}s)"
         finally:
@@ -252,10 +258,30 @@ class _Run:
         self._annotate(traj, job, session)
         return traj
 
-    async def _watchdog(self, i: int, session: RouteSession, timeout: float) -> None:
-        await anyio.sleep(timeout)
-        self.timed_out.add(i)
-        await self._stop_session(session, "timeout")
+    def _add_deadline(self, deadline: float, i: int) -> None:
+        heapq.heappush(self.deadlines, (deadline, i))
+        if self.deadlines[0][1] == i:
+            self._deadline_added.set()  # an earlier deadline than the watcher sleeps for
+
+    async def _watch_deadlines(self) -> None:
+        """One task for the whole run (not one per trajectory): stops trajectories past their timeout."""
+        while True:
+            while self.deadlines and self.deadlines[0][1] not in self.sessions:
+                heapq.heappop(self.deadlines)  # finished before its deadline
+            self._deadline_added = anyio.Event()
+            if not self.deadlines:
+                await self._deadline_added.wait()
+                continue
+            deadline, i = self.deadlines[0]
+            now = self.clock()
+            if now < deadline:
+                with anyio.move_on_after(deadline - now):
+                    await self._deadline_added.wait()
+                continue
+            heapq.heappop(self.deadlines)
+            self.timed_out.add(i)
+            assert self.tg is not None
+            self.tg.start_soon(self._stop_session, self.sessions[i], "timeout")
 
     async def _stop_session(self, session: RouteSession, reason: str) -> None:
         session.stop(reason)
@@ -299,8 +325,10 @@ class _Run:
             traj.extra["servers"] = list(dict.fromkeys(traj.extra.get("servers", []) + session.servers))
 
     async def _score(self, traj: Trajectory, job: Sample) -> None:
+        if self.s._builtin_reward and not job.reward:
+            return
         try:
-            with anyio.fail_after(self.cfg.reward_timeout + 1.0):
+            with anyio.fail_after(None if self.s._builtin_reward else self.cfg.reward_timeout + 1.0):
                 value = await self.s.reward_fn(traj, job, timeout=self.cfg.reward_timeout)
             if value is not None:
                 traj.reward = float(value)
