@@ -44,6 +44,19 @@ def _origin(st: StepTimeline) -> float:
     return min(times) if times else 0.0
 
 
+def _phase_marks(records: Sequence[StageRecord], t0: float) -> list[tuple[str, str, float, str]]:
+    marks = []
+    wake = [r for r in records if r.phase == "wake_up"]
+    sleep = [r for r in records if r.phase == "sleep"]
+    if wake:
+        secs = sum(r.seconds for r in wake)
+        marks.append(("wake_up", "#238b45", max(r.end for r in wake) - t0, f"awake (wake-up {secs:.2f}s)"))
+    if sleep:
+        secs = sum(r.seconds for r in sleep)
+        marks.append(("sleep", "#54278f", min(r.start for r in sleep) - t0, f"sleep {secs:.2f}s "))
+    return marks
+
+
 def _draw_step(ax, st: StepTimeline, stage_colors: dict[tuple[str, str], str]) -> None:  # noqa: ANN001
     t0 = _origin(st)
     rows = sorted(
@@ -54,6 +67,14 @@ def _draw_step(ax, st: StepTimeline, stage_colors: dict[tuple[str, str], str]) -
     for r in st.records:
         color = stage_colors[(r.phase, r.stage)]
         ax.axvspan(r.start - t0, max(r.end - t0, r.start - t0 + 1e-4), color=color, alpha=0.55, lw=0, zorder=0)
+    # Stages can be far shorter than a pixel (a CPU engine wakes in milliseconds): mark where the
+    # engine became AWAKE and where its sleep began with lines and their total seconds, always visible.
+    for phase, color, at, text in _phase_marks(st.records, t0):
+        ax.axvline(at, color=color, ls="--", lw=1.0, zorder=3)
+        ax.annotate(text, (at, 1), xycoords=("data", "axes fraction"), xytext=(3 if phase == "wake_up" else -3, -3),
+                    textcoords="offset points", fontsize=7, color=color, va="top", zorder=4,
+                    ha="left" if phase == "wake_up" else "right",
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": color, "lw": 0.5, "alpha": 0.9})
     for kind, color in SEGMENT_COLORS.items():
         ys, lefts, widths = [], [], []
         for y, t in enumerate(rows):
@@ -74,7 +95,7 @@ def _draw_step(ax, st: StepTimeline, stage_colors: dict[tuple[str, str], str]) -
     ax.set_ylabel("trajectory")
     if len(rows) <= 40:
         ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([f"{t.uid}#{t.index_in_group}" for t in rows], fontsize=5)
+        ax.set_yticklabels([t.uid for t in rows], fontsize=5)
     done = sum(1 for t in st.trajectories if t.status == "completed")
     title = st.title or f"step {st.step}: {len(st.trajectories)} trajectories ({done} completed)"
     ax.set_title(title, fontsize=9, loc="left")
@@ -107,7 +128,8 @@ def plot_timeline(steps: Sequence[StepTimeline], path: str | Path, *, dpi: int =
     for ax, st in zip(axes[:, 0], steps):
         _draw_step(ax, st, stage_colors)
     axes[-1, 0].set_xlabel("seconds since the step began")
-    handles = [Patch(color=c, label=k) for k, c in SEGMENT_COLORS.items()]
+    kinds = {e.kind for st in steps for t in st.trajectories for e in t.timeline}
+    handles = [Patch(color=c, label=k) for k, c in SEGMENT_COLORS.items() if k in kinds]
     handles += [Patch(color=c, alpha=0.55, label=f"{phase.replace('_', '-')}: {stage}")
                 for (phase, stage), c in stage_colors.items()]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=7, frameon=False)
