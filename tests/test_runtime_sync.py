@@ -76,3 +76,16 @@ def test_config_documents_every_field() -> None:
     assert ac.max_new_tokens_per_turn == 7
     assert cfg.scheduler.prompts_per_step(16) == 16
     assert RuntimeConfig.model_validate({"scheduler": {"target_groups": 8, "oversample_factor": 1.5}}).scheduler.prompts_per_step(16) == 12
+
+
+def test_one_stage_wake_up_for_two_steps() -> None:
+    eng = FakeEngine("http://a")
+    rt = Runtime({"engine": {"staged": False, "release_tags": ["kv_cache"]}}, clients=[eng], tokenizer=TOK,
+                 tools=object(), reward_fn=length_reward)
+    with rt:
+        for _ in range(2):
+            first = len(rt.lifecycle.records)
+            res = rt.step_sync(samples(2, turns=1))
+            assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "wake_up"] == ["resume_all"]
+            assert [t.status for t in res.trajectories] == ["completed"] * 2
+            assert eng.released == {"kv_cache"}  # only the configured tag is released
