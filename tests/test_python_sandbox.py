@@ -297,6 +297,37 @@ async def test_drops_to_nobody_when_root_and_the_interpreter_allows_it():
     assert lines[2].startswith("threads stopped at") and int(lines[2].split()[3]) < 16
 
 
+TAMPERING = {
+    "patch_realpath": "import os, posixpath; posixpath._joinrealpath = lambda *a: (SCRATCH, True); os.path.realpath = lambda p, **k: SCRATCH",
+    "patch_builtins": "import builtins; builtins.isinstance = lambda *a: False; builtins.OSError = ValueError; builtins.PermissionError = ValueError",
+    "str_subclass": (
+        "class P(str):\n    def split(self, *a): return ['x']\n    def startswith(self, *a): return True\n"
+        "TARGET = P(TARGET)"
+    ),
+    "fspath_flip": (
+        "class P:\n    n = 0\n    def __fspath__(self):\n        P.n += 1\n        return SCRATCH + '/ok' if P.n == 1 else OUT\n"
+        "import io; io.FileIO(P(), 'w')"
+    ),
+    "frames": (
+        # walk the frames of a refused call's traceback and mutate everything reachable from them
+        "import sys\ntry:\n    open(OUT, 'w')\nexcept PermissionError as e:\n    tb = e.__traceback__\n"
+        "    while tb is not None:\n        for v in list(tb.tb_frame.f_locals.values()):\n"
+        "            for c in getattr(v, '__closure__', None) or ():\n                c.cell_contents = '/'\n"
+        "            if isinstance(v, (list, dict, set)):\n                v.clear()\n        tb = tb.tb_next\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERING))
+async def test_hook_cannot_be_fooled(tmp_path, name):
+    out_file = tmp_path / "pwned.txt"
+    code = (f"import os\nSCRATCH = os.getcwd(); OUT = {str(out_file)!r}; TARGET = OUT\n" + TAMPERING[name]
+            + "\nopen(TARGET, 'w').write('x')\nprint('WROTE')")
+    out = await run(PythonTool(), code)
+    assert "WROTE" not in out and not out_file.exists(), out
+    assert "sandbox: writing" in out or "sandbox: open refused: pass paths as str" in out, out
+
+
 async def test_infinite_loop_does_not_stall_the_event_loop():
     t = PythonTool(timeout=1.5, cpu_seconds=60)
     tick = Ticker()

@@ -22,8 +22,10 @@ It is the first code in the child and uses only the standard library. In order, 
    and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot` from os/posix/signal,
 6. runs the code as `__main__` in a fresh module namespace.
 
+The hook is written to survive code that tries to fool it (monkeypatched os.path/builtins, str
+subclasses, flipping __fspath__, closure cells reached through traceback frames): see `_make_hook`.
 Audit hooks are not a sandbox against native code, which is why ctypes is refused and why the parent
-adds OS-level layers (rlimits, a new network namespace when `unshare` works, a process-group kill).
+adds OS-level layers (rlimits, network and mount namespaces when `unshare` works, a process-group kill).
 """
 
 import json
@@ -67,83 +69,138 @@ def _set_limits(cfg, uid):
 
 
 def _make_hook(scratch, blocked_imports, readable):
-    """The audit hook. Everything it needs is bound here (no module globals the code could reach)."""
-    sep = os.sep
-    realpath, isdir, fsdecode, readlink = os.path.realpath, os.path.isdir, os.fsdecode, os.readlink
+    """Build the audit hook.
+
+    The hook has to survive code that tries to fool it, so it is one function with no helpers and it
+    calls nothing the code could patch: its free variables are immutable values (str, tuple, frozenset)
+    and C functions captured here (posix.lstat, not os.path.realpath, whose module globals the code
+    could monkeypatch; not builtins, which the code could replace). Inner helper functions would share
+    closure cells that a traceback's frames expose, so there are none. Paths are copied to exact str
+    before use (a str subclass could override split/startswith) and anything else path-like is refused
+    (its __fspath__ could answer differently to the hook and to the real call)."""
+    import posix
+
+    _lstat, _stat, _readlink, _getcwd = posix.lstat, posix.stat, posix.readlink, posix.getcwd
+    _type, _isinstance, _int, _str, _bytes, _zip = type, isinstance, int, str, bytes, zip
+    _str_copy, _bytes_copy, _all = str.__getitem__, bytes.__getitem__, slice(None)
+    _PermissionError, _ImportError, _OSError = PermissionError, ImportError, OSError
+    fs_encoding = sys.getfilesystemencoding()
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     blocked_events = frozenset((
         "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
         "os.kill", "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit", "pty.spawn",
     ))
     blocked_prefixes = ("socket.", "ctypes.", "_posixsubprocess.", "sqlite3.", "dbm.")
-    # event -> how many leading arguments are paths that the call changes
-    mutating = {"os.mkdir": 1, "os.rmdir": 1, "os.remove": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
-                "os.truncate": 1, "os.chflags": 1, "os.lchflags": 1, "os.setxattr": 1, "os.removexattr": 1,
-                "os.rename": 2, "os.link": 2}
+    # events whose first argument (second group: first two) are paths that the call changes
+    mutating_1 = frozenset(("os.mkdir", "os.rmdir", "os.remove", "os.chmod", "os.chown", "os.utime", "os.truncate",
+                            "os.chflags", "os.lchflags", "os.setxattr", "os.removexattr", "os.chdir"))
+    mutating_2 = frozenset(("os.rename", "os.link"))
+    scratch_prefix = scratch + "/"
     roots = tuple(readable) if readable is not None else None
-
-    def under(real, root):
-        return real == root or real.startswith(root if root.endswith(sep) else root + sep)
-
-    def inside(path):
-        if isinstance(path, int):  # f-functions (fchmod, futimes, ...): judge the file the fd refers to
-            if path < 0:
-                return True
-            try:
-                path = readlink("/proc/self/fd/%d" % path)
-            except OSError:
-                return False
-        path = fsdecode(path)
-        return ".." not in path.split(sep) and under(realpath(path), scratch)
-
-    def may_read(path):
-        if isinstance(path, int):
-            return True
-        path = fsdecode(path)
-        if ".." in path.split(sep):
-            return False
-        real = realpath(path)
-        return under(real, scratch) or any(under(real, r) for r in roots)
-
-    def deny(what):
-        raise PermissionError("sandbox: " + what)
+    root_prefixes = tuple(r if r.endswith("/") else r + "/" for r in readable) if readable is not None else None
+    WRITE, READ = 1, 2
 
     # Why ".." and symlinks are refused: the hook checks a path, then the call resolves it again. With
     # no symlinks in the scratch directory and no "..", a path that is inside at check time stays inside
     # even if another thread renames directories in between (renames are confined to the scratch dir).
     def hook(event, args):
         if event == "import":
-            mod = args[0]
-            # Every component: an extension's init symbol comes from the last one ("x._socket").
-            if any(part in blocked_imports for part in mod.split(".")):
-                raise ImportError("sandbox: import of %r is not allowed (no network, processes, ctypes or gc)" % mod)
-        elif event == "open":
+            for part in args[0].split("."):  # every component: an extension's init symbol is the last one
+                if part in blocked_imports:
+                    raise _ImportError("sandbox: import of %r is not allowed (no network, processes, ctypes or gc)" % (args[0],))
+            return
+        if event in blocked_events or event.startswith(blocked_prefixes):
+            raise _PermissionError("sandbox: %s refused: no processes, signals, limit changes, databases or network" % event)
+        if event == "os.symlink":
+            raise _PermissionError("sandbox: creating symlinks is not allowed")
+        if event == "open":
             path, mode, flags = args
-            if isinstance(path, int):
+            if _type(path) is _int:  # wrapping an fd that was checked when it was opened
                 return
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & write_flags)
-            if writing:
-                if not inside(path) and realpath(fsdecode(path)) != "/dev/null":
-                    deny("writing %r refused: outside the scratch directory" % fsdecode(path))
-            elif isdir(path):
-                deny("opening directory %r refused; use os.listdir/os.scandir" % fsdecode(path))
-            elif roots is not None and not may_read(path):
-                deny("reading %r refused: only the scratch directory and the Python library are readable" % fsdecode(path))
-        elif event in ("os.listdir", "os.scandir"):
-            if args[0] is not None and not may_read(args[0] if args[0] != "" else "."):
-                deny("listing %r refused: outside the scratch directory and the Python library" % fsdecode(args[0]))
-        elif event in blocked_events or event.startswith(blocked_prefixes):
-            deny(event + " refused: no processes, signals, limit changes, databases or network in the sandbox")
-        elif event == "os.chdir":
-            if not inside(args[0]):
-                deny("chdir to %r refused: outside the scratch directory" % fsdecode(args[0]))
-        elif event == "os.symlink":
-            deny("creating symlinks is not allowed in the sandbox")
-        elif event in mutating:
-            for p in args[: mutating[event]]:
-                if not inside(p):
-                    deny("%s on %r refused: outside the scratch directory" % (event, fsdecode(p)))
+            writing = (_type(mode) is _str and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
+                _type(flags) is _int and flags & write_flags)
+            checks = ((path, WRITE if writing else READ),)
+        elif event == "os.listdir" or event == "os.scandir":
+            path = args[0]
+            if _type(path) is _int:
+                return
+            checks = (("." if path is None or path == "" else path, READ),)
+        elif event in mutating_1:
+            checks = ((args[0], WRITE),)
+        elif event in mutating_2:
+            checks = ((args[0], WRITE), (args[1], WRITE))
+        else:
+            return
+        for path, need in checks:
+            t = _type(path)
+            if t is _int:  # f-functions (fchmod, futimes, ...): judge the file the fd refers to
+                if path < 0:
+                    continue
+                try:
+                    path = _readlink("/proc/self/fd/%d" % path)
+                except _OSError:
+                    raise _PermissionError("sandbox: %s on fd %d refused" % (event, path)) from None
+            elif _isinstance(path, _str):
+                path = _str_copy(path, _all)
+            elif _isinstance(path, _bytes):
+                path = _bytes_copy(path, _all).decode(fs_encoding, "surrogateescape")
+            else:
+                raise _PermissionError("sandbox: %s refused: pass paths as str or bytes, not %s" % (event, t.__name__))
+            if ".." in path.split("/"):
+                raise _PermissionError("sandbox: %s on %r refused: paths with '..' are not allowed" % (event, path))
+            # Resolve symlinks (those of the system: none can be made in the scratch dir) with lstat/readlink.
+            full = path if path.startswith("/") else _getcwd() + "/" + path
+            todo = full.split("/")
+            todo.reverse()
+            real, hops = "", 0
+            while todo:
+                part = todo.pop()
+                if part == "" or part == ".":
+                    continue
+                if part == "..":
+                    real = real[: real.rfind("/")]
+                    continue
+                cand = real + "/" + part
+                try:
+                    st = _lstat(cand)
+                except _OSError:
+                    real = cand  # does not exist (yet): the rest is taken literally
+                    continue
+                if st.st_mode & 0o170000 == 0o120000:
+                    hops += 1
+                    if hops > 40:
+                        raise _PermissionError("sandbox: %s on %r refused: too many symlinks" % (event, path))
+                    target = _readlink(cand).split("/")
+                    target.reverse()
+                    todo.extend(target)
+                    if target and target[-1] == "":  # absolute target: start again from /
+                        real = ""
+                else:
+                    real = cand
+            real = real or "/"
+            inside = real == scratch or real.startswith(scratch_prefix)
+            if need == WRITE:
+                if not inside and not (event == "open" and real == "/dev/null"):
+                    raise _PermissionError("sandbox: %s %r refused: outside the scratch directory" % (
+                        "writing" if event == "open" else event + " on", path))
+                continue
+            if event == "open":
+                try:
+                    is_dir = _stat(real).st_mode & 0o170000 == 0o040000
+                except _OSError:
+                    is_dir = False
+                if is_dir:  # a directory fd would let os.*(dir_fd=...) resolve paths this hook never sees
+                    raise _PermissionError("sandbox: opening directory %r refused; use os.listdir/os.scandir" % (path,))
+            if inside or roots is None:
+                continue
+            ok = False
+            for r, rp in _zip(roots, root_prefixes):
+                if real == r or real.startswith(rp):
+                    ok = True
+                    break
+            if not ok:
+                raise _PermissionError("sandbox: %s %r refused: only the scratch directory and the Python library are readable"
+                                       % ("reading" if event == "open" else "listing", path))
 
     return hook
 
