@@ -304,6 +304,14 @@ TAMPERING = {
         "class P(str):\n    def split(self, *a): return ['x']\n    def startswith(self, *a): return True\n"
         "TARGET = P(TARGET)"
     ),
+    "import_str_subclass": (
+        "class S(str):\n    def split(self, *a): return ['harmless']\n"
+        "s = __import__(S('_socket')).socket(); TARGET = OUT"
+    ),
+    "mode_subclass": (
+        "class M(str):\n    def __contains__(self, c): return False\n"
+        "open(TARGET, M('w')).write('x')"
+    ),
     "fspath_flip": (
         "class P:\n    n = 0\n    def __fspath__(self):\n        P.n += 1\n        return SCRATCH + '/ok' if P.n == 1 else OUT\n"
         "import io; io.FileIO(P(), 'w')"
@@ -325,7 +333,7 @@ async def test_hook_cannot_be_fooled(tmp_path, name):
             + "\nopen(TARGET, 'w').write('x')\nprint('WROTE')")
     out = await run(PythonTool(), code)
     assert "WROTE" not in out and not out_file.exists(), out
-    assert "sandbox: writing" in out or "sandbox: open refused: pass paths as str" in out, out
+    assert "sandbox: writing" in out or "sandbox: open refused: pass paths as str" in out or "sandbox: import of" in out, out
 
 
 async def test_infinite_loop_does_not_stall_the_event_loop():

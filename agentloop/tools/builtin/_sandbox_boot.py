@@ -81,7 +81,7 @@ def _make_hook(scratch, blocked_imports, readable):
     import posix
 
     _lstat, _stat, _readlink, _getcwd = posix.lstat, posix.stat, posix.readlink, posix.getcwd
-    _type, _isinstance, _int, _str, _bytes, _zip = type, isinstance, int, str, bytes, zip
+    _type, _isinstance, _int, _str, _bytes, _zip, _bool = type, isinstance, int, str, bytes, zip, bool
     _str_copy, _bytes_copy, _all = str.__getitem__, bytes.__getitem__, slice(None)
     _PermissionError, _ImportError, _OSError = PermissionError, ImportError, OSError
     fs_encoding = sys.getfilesystemencoding()
@@ -105,9 +105,11 @@ def _make_hook(scratch, blocked_imports, readable):
     # even if another thread renames directories in between (renames are confined to the scratch dir).
     def hook(event, args):
         if event == "import":
-            for part in args[0].split("."):  # every component: an extension's init symbol is the last one
+            name = args[0]
+            name = _str_copy(name, _all) if _isinstance(name, _str) else "?"
+            for part in name.split("."):  # every component: an extension's init symbol is the last one
                 if part in blocked_imports:
-                    raise _ImportError("sandbox: import of %r is not allowed (no network, processes, ctypes or gc)" % (args[0],))
+                    raise _ImportError("sandbox: import of %r is not allowed (no network, processes, ctypes or gc)" % (name,))
             return
         if event in blocked_events or event.startswith(blocked_prefixes):
             raise _PermissionError("sandbox: %s refused: no processes, signals, limit changes, databases or network" % event)
@@ -117,8 +119,16 @@ def _make_hook(scratch, blocked_imports, readable):
             path, mode, flags = args
             if _type(path) is _int:  # wrapping an fd that was checked when it was opened
                 return
-            writing = (_type(mode) is _str and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
-                _type(flags) is _int and flags & write_flags)
+            # Anything but a plain str mode / int flags is taken as a write (a subclass could lie).
+            writing = False
+            if mode is not None:
+                if _isinstance(mode, _str):
+                    m = _str_copy(mode, _all)
+                    writing = "w" in m or "a" in m or "x" in m or "+" in m
+                else:
+                    writing = True
+            if flags is not None and not writing:
+                writing = _type(flags) is not _int or _bool(flags & write_flags)
             checks = ((path, WRITE if writing else READ),)
         elif event == "os.listdir" or event == "os.scandir":
             path = args[0]
