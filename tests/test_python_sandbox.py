@@ -258,6 +258,8 @@ async def test_reads_restricted_to_scratch_and_python_library():
     "import signal; signal.pidfd_send_signal",
     "import sys; del sys.modules['posix']; import posix",
     "import os; os.chroot('.')",
+    "import os; os.setpriority(os.PRIO_PROCESS, os.getppid(), 19)",
+    "import os; os.sched_setaffinity(os.getppid(), {0})",
     # an extension module's init symbol comes from the last name component: loading _socket as x._socket
     ("import _imp, importlib.machinery, sys, os\nd = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
      "f = [x for x in os.listdir(d) if x.startswith('_socket.')][0]\n"
@@ -267,8 +269,7 @@ async def test_reads_restricted_to_scratch_and_python_library():
 ])
 async def test_sandbox_cannot_be_switched_off_from_inside(code):
     out = await run(PythonTool(), code)
-    assert ("sandbox:" in out or "has no attribute 'pidfd_send_signal'" in out or "has no attribute 'chroot'" in out
-            or out == "clean"), out
+    assert "sandbox:" in out or "has no attribute" in out or out == "clean", out
 
 
 async def test_drops_to_nobody_when_root_and_the_interpreter_allows_it():

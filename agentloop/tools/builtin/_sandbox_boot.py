@@ -19,7 +19,8 @@ It is the first code in the child and uses only the standard library. In order, 
    - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/... (ctypes
      could patch the interpreter's memory and gc could find the hook function; sqlite3/dbm write files
      from C without an "open" event),
-   and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot` from os/posix/signal,
+   and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot`/`setpriority`/`sched_set*`
+   from os/posix/signal (they act on other processes or create files without an audit event),
 6. runs the code as `__main__` in a fresh module namespace.
 
 The hook is written to survive code that tries to fool it (monkeypatched os.path/builtins, str
@@ -237,8 +238,10 @@ def _strip_unaudited():
 
     import _signal
 
-    # signal a process by fd; create files; change the root or namespaces (3.12+)
-    unaudited = ("pidfd_open", "mkfifo", "mknod", "chroot", "unshare", "setns")
+    # signal a process by fd; create files; change the root or namespaces (3.12+); renice, reschedule or
+    # pin other processes of the same user (the worker itself)
+    unaudited = ("pidfd_open", "mkfifo", "mknod", "chroot", "unshare", "setns", "setpriority",
+                 "sched_setscheduler", "sched_setparam", "sched_setaffinity")
     for mod, names in ((os, unaudited), (posix, unaudited), (signal, ("pidfd_send_signal",)),
                        (_signal, ("pidfd_send_signal",))):
         for n in names:
