@@ -431,3 +431,24 @@ async def test_max_concurrent_interpreters_across_trajectories():
         cur += d
         peak = max(peak, cur)
     assert len(spans) == 6 and peak == 2
+
+
+async def test_sandbox_start_failure_is_reported_as_such(tmp_path, monkeypatch):
+    import shutil
+
+    from agentloop.tools.builtin import python as python_mod
+
+    t = PythonTool(python=str(tmp_path / "no-such-python"))
+    with pytest.raises(FileNotFoundError):  # no wrapper: the worker cannot start the interpreter at all
+        await run(t, "print(1)")
+    res = await ToolRegistry([t]).execute_calls([ToolCall("python", {"code": "1"}, "")], context=ToolContext("t"),
+                                                 timeout=10, max_parallel=1)
+    assert not res[0].ok and res[0].error_kind == "exception" and "no-such-python" in res[0].content
+
+    unshare = shutil.which("unshare")
+    if unshare is None or not (await sandbox_capabilities()).unshare_prefix:
+        return
+    # with the namespace wrapper, the wrapper reports the failure: not the code's fault, not its output
+    monkeypatch.setitem(python_mod._caps_cache, (t.python, True), python_mod._Caps((unshare, "-r", "-n"), None, False))
+    with pytest.raises(ToolError, match="the sandbox could not start: unshare: .*no-such-python"):
+        await run(t, "print(1)")

@@ -237,6 +237,9 @@ class PythonTool(Tool):
                 problem = f"killed by SIGKILL (CPU time limit of {self.cpu_seconds} seconds or memory exhausted)"
             else:
                 problem = f"killed by signal {name}"
+        elif rc and not out.stdout and out.stderr.startswith(("unshare:", "mount:", "sh:")):
+            # The wrapper failed before Python ran (e.g. the host ran out of namespaces): not the code's fault.
+            raise ToolError(f"the sandbox could not start: {out.stderr.strip().splitlines()[0]}")
         elif rc:
             if "MemoryError" in out.stderr:
                 text += f"\n(memory limit of {self.memory_mb} MiB exceeded)"
