@@ -140,6 +140,19 @@ async def test_memory_limit():
             chunks.append(bytearray(8 * 1024 * 1024))
     """)
     assert "MemoryError" in out
+    # code that catches MemoryError and keeps trying still never gets past the limit
+    out = await run(t, """
+        import resource
+        chunks, refused = [], 0
+        for _ in range(200):
+            try:
+                chunks.append(bytearray(16 * 1024 * 1024))
+            except MemoryError:
+                refused += 1
+        print(len(chunks), refused, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    """)
+    held, refused, peak_mib = map(int, out.split())
+    assert held * 16 < 128 and refused > 150 and peak_mib < 128, out
 
 
 async def test_scratch_size_limit_when_tmpfs_is_available(tmp_path):
