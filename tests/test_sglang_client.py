@@ -328,6 +328,29 @@ async def test_real_server_info_selects_sglang_transport(replay, client) -> None
     assert client._tp_size == 2
 
 
+async def test_tensor_updates_to_sglang_checked_against_the_model_before_sending(replay, client, tmp_path) -> None:
+    """Real SGLang skips unknown names with success:true and dies on a wrong shape (GPU run 1)."""
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 100,
+           "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    replay.on("GET", "/server_info", lambda _b: web.json_response({"tp_size": 1}))  # no tensor_transport: SGLang
+    replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": str(tmp_path)}))
+    with pytest.raises(EngineError, match=r"refused before sending: 1 tensor name.*model.layers.0.self_attn.qq_proj.weight"):
+        await client.update_weights_from_tensor([("model.layers.0.self_attn.qq_proj.weight", torch.zeros(32, 32))])
+    with pytest.raises(EngineError, match=r"'model.norm.weight' has shape \[7\], the model's parameter has \[32\]"):
+        await client.update_weights_from_tensor([("model.norm.weight", torch.zeros(7))])
+    assert replay.count("/update_weights_from_tensor") == 0
+    # a trainer's full state dict (tied lm_head included) passes
+    good = [("model.embed_tokens.weight", torch.zeros(100, 32)), ("lm_head.weight", torch.zeros(100, 32)),
+            ("model.layers.0.mlp.gate_proj.weight", torch.zeros(64, 32)), ("model.norm.weight", torch.zeros(32))]
+    await client.check_named_tensors(good)
+    # formats other than HF names are not checked; a remote server's model is unknown: not checked
+    replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": "/not/on/this/host"}))
+    async with SGLangClient(replay.url) as c:
+        await c.check_named_tensors([("anything", torch.zeros(1))])
+
+
 async def test_distributed_group_calls(replay, client) -> None:
     ok = {"success": True, "message": "Succeeded"}
     for p in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):

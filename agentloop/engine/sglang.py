@@ -23,6 +23,12 @@ check but never calls it, so such an id reaches the embedding lookup of the sche
 size comes from `/server_info` (CPU engine) or the served folder's `config.json` when the server
 reports a local `model_path` (a server launched on this host); otherwise ids go unchecked.
 
+Tensor weight updates to real SGLang are checked against the served model's parameter names and
+shapes (its `config.json` built on the meta device, for a server on this host) before anything is
+sent: measured on sglang 0.5.17 (`benchmarks/results/gpu_run1_sglang_dummy.json`), an unknown name is
+silently skipped with `success: true` (the trainer's update is lost) and a wrong shape kills the
+scheduler. The CPU engine checks both itself and answers 400.
+
 Tensor weight updates pick their transport from the server: the CPU engine's `/server_info` says
 `"tensor_transport": "safetensors"` and gets base64 safetensors bytes (no pickle on the network);
 real SGLang gets its own `MultiprocessingSerializer` payloads (CUDA IPC handles; one per TP rank,
@@ -84,6 +90,18 @@ def error_message(body: bytes | str) -> str:
     return text.strip()
 
 
+def hf_param_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor in the state dict of the HF model in `folder` (built on the meta
+    device from its config.json: no weights are read). Tied weights appear under both names."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
+
+
 def safetensors_payload(named_tensors: Sequence[tuple[str, Any]]) -> str:
     """Base64 of `safetensors.torch.save` bytes of the named tensors (the CPU engine's tensor transport)."""
     from safetensors.torch import save
@@ -138,6 +156,7 @@ class SGLangClient:
         backoff: float = 0.2,
         max_connections: int = 2048,
         vocab_size: int | None | Literal["auto"] = "auto",
+        weight_check: bool = True,
     ) -> None:
         if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
             raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
@@ -154,6 +173,8 @@ class SGLangClient:
         #: "auto" until looked up; then the size, or None when it cannot be known (ids go unchecked)
         self.vocab_size: int | None | Literal["auto"] = vocab_size
         self._lookup_lock: anyio.Lock | None = None
+        self.weight_check = weight_check
+        self._param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"] = "auto"
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -335,16 +356,50 @@ class SGLangClient:
                 if info.get("vocab_size"):
                     vocab = int(info["vocab_size"])
                 else:
-                    path = (await self.model_info()).get("model_path")
-                    cfg_file = Path(str(path)) / "config.json" if path else None
-                    if cfg_file is not None and cfg_file.is_file():
-                        cfg = json.loads(cfg_file.read_text())
+                    folder = await self.local_model_folder()
+                    if folder is not None:
+                        cfg = json.loads((folder / "config.json").read_text())
                         v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
                         vocab = int(v) if v else None
             except (EngineError, OSError, ValueError) as e:
                 log.warning("vocab size of %s unknown (%s): input ids go unchecked", self.url, e)
             self.vocab_size = vocab
             return vocab
+
+    async def local_model_folder(self) -> Path | None:
+        """The served model's folder if it is readable here (a server on this host), else None."""
+        path = (await self.model_info()).get("model_path")
+        folder = Path(str(path)) if path else None
+        return folder if folder is not None and (folder / "config.json").is_file() else None
+
+    async def resolve_param_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """HF parameter name → shape of the served model (its config.json on the meta device), or None."""
+        if self._param_shapes == "auto":
+            shapes: dict[str, tuple[int, ...]] | None = None
+            try:
+                folder = await self.local_model_folder()
+                if folder is not None:
+                    shapes = await anyio.to_thread.run_sync(hf_param_shapes, folder)
+            except Exception as e:  # noqa: BLE001 - any failure only disables the pre-check
+                log.warning("parameter shapes of %s unknown (%s): weight updates go unchecked", self.url, e)
+            self._param_shapes = shapes
+        return self._param_shapes  # type: ignore[return-value]
+
+    async def check_named_tensors(self, named: Sequence[tuple[str, Any]]) -> None:
+        """Refuse (before sending) names the model does not have and shapes that differ from its own."""
+        shapes = await self.resolve_param_shapes()
+        if not shapes:
+            return
+        unknown = [n for n, _ in named if n not in shapes]
+        if unknown:
+            raise EngineError("/update_weights_from_tensor", None,
+                              f"refused before sending: {len(unknown)} tensor name(s) the model does not have, e.g. "
+                              f"{unknown[:3]} (sglang would skip them silently and report success)", url=self.url)
+        for n, t in named:
+            if tuple(t.shape) != shapes[n]:
+                raise EngineError("/update_weights_from_tensor", None,
+                                  f"refused before sending: tensor {n!r} has shape {list(t.shape)}, the model's "
+                                  f"parameter has {list(shapes[n])} (sglang's scheduler dies on a mismatch)", url=self.url)
 
     async def resolve_tensor_transport(self) -> TensorTransport:
         """`safetensors` for the CPU engine, `cuda_ipc` for real SGLang (asked once, then cached)."""
@@ -369,6 +424,9 @@ class SGLangClient:
             # Serializing a model's worth of tensors is CPU work: keep the event loop free.
             payloads = [await anyio.to_thread.run_sync(safetensors_payload, named)]
         else:
+            # HF names are what sglang's load_weights maps (load_format None); other formats carry their own.
+            if self.weight_check and load_format is None:
+                await self.check_named_tensors(named)
             if self._tp_size is None:
                 self._tp_size = int((await self.server_info()).get("tp_size") or 1)
             payloads = cuda_ipc_payloads(named, self._tp_size)
