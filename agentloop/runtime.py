@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import anyio.from_thread
@@ -39,7 +40,7 @@ from .types import Sample, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Runtime", "RuntimeError_", "StepResult"]
+__all__ = ["Runtime", "RuntimeError_", "StepResult", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
@@ -58,6 +59,17 @@ class StepResult:
     batch: RolloutBatch
     carry_over: list[Sample] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class StepStream:
+    """Finished trajectories of a running step (`async for`), and its `StepResult` once it is done."""
+
+    def __init__(self, receive: Any) -> None:
+        self._receive = receive
+        self.result: StepResult | None = None
+
+    def __aiter__(self) -> AsyncIterator[Trajectory]:
+        return self._receive.__aiter__()
 
 
 class Runtime:
@@ -292,6 +304,40 @@ class Runtime:
                 step=self.steps_done, weight_version=version, trajectories=result.trajectories, batch=batch,
                 carry_over=result.carry_over, metrics=metrics,
             )
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, samples: Sequence[Sample], weights: Any = None, **kwargs: Any
+    ) -> AsyncIterator["StepStream"]:
+        """The async-iterator form of `step`: finished trajectories as they come, then the `StepResult`.
+
+            async with rt.stream(samples, weights) as s:
+                async for traj in s:
+                    ...            # write it out, show progress
+            result = s.result
+
+        It runs the same `step` coroutine (its `on_trajectory` feeds the iterator)."""
+        send, receive = anyio.create_memory_object_stream[Trajectory](math.inf)
+        out = StepStream(receive)
+        user_cb = kwargs.pop("on_trajectory", None) or self.on_trajectory
+
+        async def feed(traj: Trajectory) -> None:
+            if user_cb is not None:
+                r = user_cb(traj)
+                if r is not None:
+                    await r
+            send.send_nowait(traj)
+
+        async def run() -> None:
+            with send:
+                out.result = await self.step(samples, weights, on_trajectory=feed, **kwargs)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            try:
+                yield out
+            finally:
+                receive.close()
 
     async def sleep(self) -> None:
         """Sleep now, even in the middle of a step: running trajectories are stopped (carried over),

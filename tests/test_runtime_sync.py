@@ -89,3 +89,20 @@ def test_one_stage_wake_up_for_two_steps() -> None:
             assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "wake_up"] == ["resume_all"]
             assert [t.status for t in res.trajectories] == ["completed"] * 2
             assert eng.released == {"kv_cache"}  # only the configured tag is released
+
+
+async def test_stream_yields_trajectories_as_they_finish_then_the_result() -> None:
+    eng = FakeEngine("http://a")
+    rt = Runtime({"scheduler": {"n": 2}}, clients=[eng], tokenizer=TOK, tools=object(), reward_fn=length_reward)
+    async with rt:
+        for step in (1, 2):
+            ss = samples(3, turns=2, tokens=2)
+            ss[0].extra["turns"] = 5  # finishes last
+            got = []
+            async with rt.stream(ss) as s:
+                async for t in s:
+                    got.append(t.uid)
+            assert s.result is not None and s.result.step == step
+            assert sorted(got) == sorted(t.uid for t in s.result.trajectories)
+            assert set(got[-2:]) == {"p0_0", "p0_1"}  # in finishing order, not input order
+            assert rt.lifecycle.state is EngineState.SLEEPING
