@@ -30,6 +30,8 @@ from agentloop.models.random_model import make_random_model
 
 SAMPLES = json.loads((Path(__file__).parent / "fixtures" / "sglang_http_samples.json").read_text())
 CALLS = SAMPLES["calls"]
+#: Raw error responses of sglang 0.5.17 recorded by GPU run 1 (tests/gpu/test_zz_errors_gpu.py).
+ERRORS = json.loads((Path(__file__).parent / "fixtures" / "sglang_error_samples.json").read_text())["responses"]
 
 #: (endpoint, JSON path) -> why the CPU engine may differ there. `*` matches any list index.
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
@@ -47,6 +49,15 @@ KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
     ("/server_info", "vocab_size"): "CPU-engine extra (SGLang keeps it in model config, not server_info)",
     ("/server_info", "eos_token_ids"): "CPU-engine extra",
     ("/server_info", "return_original_logprob"): "CPU-engine extra",
+    # SGLang's request-validation errors (FastAPI/pydantic) use an OpenAI-style body while its handlers
+    # use {"error": {"message"}}; the CPU engine uses the latter for all. The client reads both.
+    ("/generate", "object"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/generate", "message"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/generate", "type"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/generate", "param"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/generate", "code"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/generate", "error"): "OpenAI-style validation error body of SGLang (see above)",
+    ("/get_weight_version", "<body>"): "removed endpoint: SGLang answers 404 with a JSON hint, the CPU engine a plain 404",
 }
 
 #: Differences the CPU engine should fix (routed to its owner); the test tolerates exactly these until
@@ -56,6 +67,8 @@ PENDING_CPU_ENGINE_FIXES: tuple[str, ...] = (
     "/generate meta_info.finish_reason.err_type: missing in the CPU engine's response",
     "/generate meta_info.finish_reason.status_code: missing in the CPU engine's response",
     "/server_info tp_size: missing in the CPU engine's response",
+    "/generate error.code: the CPU engine has it, SGLang does not",
+    "/update_weights_from_disk num_paused_requests: missing in the CPU engine's response",
 )
 
 #: Requests SGLang was sent while a long generate decoded (their labels in the recording).
@@ -167,8 +180,8 @@ def test_cpu_engine_answers_like_sglang(replay_diffs) -> None:
 
 @pytest.mark.xfail(strict=True, reason="CPU-engine differences routed to its owner; when this passes, "
                    "empty PENDING_CPU_ENGINE_FIXES")
-def test_pending_differences_are_fixed(replay_diffs) -> None:
-    assert not set(replay_diffs) & set(PENDING_CPU_ENGINE_FIXES)
+def test_pending_differences_are_fixed(replay_diffs, error_diffs) -> None:
+    assert not set(replay_diffs + error_diffs) & set(PENDING_CPU_ENGINE_FIXES)
 
 
 async def _replay(url: str, model_dir: Path) -> list[str]:
@@ -274,6 +287,47 @@ async def _replay(url: str, model_dir: Path) -> list[str]:
     assert SAMPLES["http_step1_equals_step2"] is True
     assert greedy_by_step["step1"] == greedy_by_step["step2"]
     return diffs
+
+
+@pytest.fixture(scope="module")
+def error_diffs(engine_url) -> list[str]:
+    """SGLang's recorded error requests replayed (asserting equal status codes); the body differences."""
+    url, _ = engine_url
+
+    async def replay() -> list[str]:
+        diffs: list[str] = []
+        async with aiohttp.ClientSession() as s:
+            for rec in ERRORS:
+                method = "GET" if rec["request"] is None else "POST"
+                kw: dict[str, Any] = {}
+                if isinstance(rec["request"], str):  # malformed JSON, sent verbatim
+                    kw = {"data": rec["request"].encode(), "headers": {"Content-Type": "application/json"}}
+                elif rec["request"] is not None:
+                    kw = {"json": rec["request"]}
+                async with s.request(method, url + rec["path"], timeout=aiohttp.ClientTimeout(total=30), **kw) as r:
+                    status, text = r.status, await r.text()
+                assert status == rec["status"], (rec["path"], rec["request"], status, text[:300])
+                real = json.loads(rec["body"]) if rec["body"].startswith("{") else rec["body"]
+                try:
+                    ours = json.loads(text) if text else ""
+                except ValueError:
+                    ours = text
+                if isinstance(real, dict) and isinstance(ours, dict):
+                    diffs += compare(rec["path"], real, ours)
+                    if "message" in real or "error" in real:  # a message a person can act on
+                        assert len(json.dumps(ours)) > 20, ours
+                elif rec["path"] == "/get_weight_version":
+                    diffs += [] if ("/get_weight_version", "<body>") in KNOWN_DIFFERENCES else ["/get_weight_version body"]
+                else:
+                    assert ours == real, (rec["path"], ours, real)
+        return diffs
+
+    return anyio.run(replay)
+
+
+def test_error_responses_match_sglang(error_diffs) -> None:
+    unexpected = sorted(set(error_diffs) - set(PENDING_CPU_ENGINE_FIXES))
+    assert not unexpected, "the CPU engine's error responses differ from SGLang's:\n" + "\n".join(unexpected)
 
 
 def test_compare_finds_differences() -> None:

@@ -29,6 +29,8 @@ from agentloop.engine.base import EngineClient, EngineError, EngineUnavailable, 
 from agentloop.engine.sglang import SGLangClient, error_message
 
 SAMPLES = json.loads((Path(__file__).parent / "fixtures" / "sglang_http_samples.json").read_text())
+#: Raw error responses recorded from sglang 0.5.17 on the GPU (tests/gpu/test_zz_errors_gpu.py, run 1).
+ERRORS = json.loads((Path(__file__).parent / "fixtures" / "sglang_error_samples.json").read_text())["responses"]
 
 
 def recorded(label: str) -> dict[str, Any]:
@@ -377,6 +379,18 @@ async def test_distributed_group_calls(replay, client) -> None:
     ("Internal Server Error", 500, "Internal Server Error"),
 ])
 async def test_generate_errors_carry_server_message(replay, client, body, status, expected) -> None:
+    await _expect_error(replay, client, body, status, expected)
+
+
+@pytest.mark.parametrize("rec", [r for r in ERRORS if r["status"] >= 400], ids=lambda r: f"{r['path']}-{r['status']}")
+async def test_recorded_real_error_bodies(replay, client, rec) -> None:
+    """Every error body real SGLang sent in GPU run 1 gives an EngineError with its message."""
+    body = json.loads(rec["body"])
+    message = body["error"]["message"] if "error" in body else body["message"]
+    await _expect_error(replay, client, body, rec["status"], message)
+
+
+async def _expect_error(replay, client, body, status, expected) -> None:
     if isinstance(body, str):
         replay.on("POST", "/generate", lambda _b: web.Response(status=status, text=body))
     else:
