@@ -10,12 +10,16 @@ Readiness is `/model_info` answering 200 plus, for a server we launched, SGLang'
 polled here: on SGLang it runs a generate, and a generate that reaches a released server crashes it
 (`shared/gpu/README.md`); only `Lifecycle.health` may send one, and only while AWAKE.
 
+`write_dummy_model` writes a model folder holding only a `config.json` of a real model's shape, for
+`--load-format dummy` servers (random weights, real speed and memory; benchmarks and GPU tests).
+
 Each server runs in its own process group (SGLang forks scheduler and detokenizer processes), so
 `stop()` ends all of them: SIGTERM to the group, then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +36,26 @@ from .base import EngineError
 from .sglang import SGLangClient
 
 READY_LINE = "The server is fired up and ready to roll!"
+
+
+#: Qwen2.5-0.5B's shape (what the GPU tests and benchmarks serve with `--load-format dummy`).
+QWEN2_05B_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151643,
+    "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24,
+    "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+}
+
+
+def write_dummy_model(folder: str | Path, config: Mapping[str, Any] | None = None) -> Path:
+    """A folder with only `config.json` (default: Qwen2.5-0.5B's shape) for `load_format="dummy"`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(config or QWEN2_05B_CONFIG), indent=1))
+    return folder
 
 
 class LaunchError(RuntimeError):

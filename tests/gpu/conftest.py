@@ -48,9 +48,9 @@ def dummy_server():
         model_dir = make_random_model(out_dir() / "dryrun_qwen2", arch="qwen2")
         config = json.loads((model_dir / "config.json").read_text())
     else:
-        model_dir = out_dir() / "qwen2_05b_dummy"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(json.dumps(QWEN2_05B, indent=1))
+        from agentloop.engine.launch import write_dummy_model
+
+        model_dir = write_dummy_model(out_dir() / "qwen2_05b_dummy", QWEN2_05B)
         config = QWEN2_05B
     mem_before = gpu_memory()
     t0 = time.monotonic()

@@ -23,6 +23,8 @@ from typing import Any
 
 import anyio
 
+from agentloop.engine.launch import QWEN2_05B_CONFIG
+
 
 DRYRUN = os.environ.get("AGENTLOOP_GPU_DRYRUN") == "1"
 
@@ -52,15 +54,7 @@ def device() -> str:
 
 RESULTS: dict[str, Any] = {"tests": {}, "servers": {}, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
-QWEN2_05B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
-    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151643,
-    "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 24,
-    "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-}
+QWEN2_05B: dict[str, Any] = QWEN2_05B_CONFIG
 SEED_A, SEED_B = 0, 1
 
 
