@@ -38,8 +38,12 @@ STEPS, PROMPTS, N = 3, 16, 2
 
 
 def _tiny_model():
+    from pathlib import Path
+
     from agentloop.models import tiny_tool_model
 
+    if os.environ.get("AGENTLOOP_GPU_TOOL_MODEL"):  # another tool-calling model folder
+        return Path(os.environ["AGENTLOOP_GPU_TOOL_MODEL"])
     try:
         return tiny_tool_model()
     except FileNotFoundError as e:
