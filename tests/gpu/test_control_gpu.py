@@ -144,3 +144,25 @@ async def test_sleep_with_requests_in_flight_then_gate_holds_generate_and_health
                sent_while_asleep=0, generations_outside_awake=lc.generations_outside_awake)
     finally:
         await _finish(lc, client, dummy_server)
+
+
+async def test_stop_token_ids_keep_the_matched_token(dummy_server) -> None:
+    """With --skip-tokenizer-init, is a matched stop token the last of output_ids (the CPU engine's
+    contract), with its logprob? Greedy runs after a cache flush each, so both use the same kernels."""
+    lc, client = await _lifecycle(dummy_server)
+    url = dummy_server.url
+    try:
+        greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        assert await client.flush_cache()
+        free = await lc.generate(url, prompt(11), greedy)
+        stop = free.output_ids[5]
+        first = free.output_ids.index(stop)
+        assert await client.flush_cache()
+        out = await lc.generate(url, prompt(11), greedy.replace(stop_token_ids=[stop]))
+        record("test_stop_token_ids_keep_the_matched_token", unstopped=free.output_ids, stop_token=stop,
+               stopped=out.output_ids, finish_reason=out.finish_reason, stopped_logprobs=out.output_logprobs)
+        assert out.finish_reason == {"type": "stop", "matched": stop}, out.finish_reason
+        assert out.output_ids == free.output_ids[: first + 1], "the matched stop token is kept as the last id"
+        assert len(out.output_logprobs) == len(out.output_ids)
+    finally:
+        await _finish(lc, client, dummy_server)
