@@ -56,7 +56,7 @@ def tool_server():
     model = _tiny_model()
     t0 = time.monotonic()
     server, command = launch("tool", model, mem_fraction=float(os.environ.get("AGENTLOOP_GPU_TOOL_MEM", "0.15")),
-                             extra_args=tuple(os.environ.get("AGENTLOOP_GPU_TOOL_ARGS", "").split()))
+                             extra_args=tuple(os.environ.get("AGENTLOOP_GPU_TOOL_ARGS", "--dtype bfloat16").split()))
     RESULTS["servers"]["tool"] = {"command": command, "startup_seconds": round(time.monotonic() - t0, 1), "model": str(model)}
     try:
         yield server, model
@@ -161,8 +161,9 @@ async def test_runtime_steps_with_tool_loop_on_sglang(tool_server) -> None:
            generate_or_health_sent_outside_awake=len(client.sent_outside_awake),
            teacher_forced_logprob_abs_diff={"mean": mean_diff, "max": max(lp_diffs, default=0.0), "tokens": len(lp_diffs)},
            memory_end=gpu_memory())
-    # SGLang may serve a float32 checkpoint in bf16: agreement within bf16 noise, not bit-exact
-    assert mean_diff < 0.05, mean_diff
+    # SGLang serves the float32 checkpoint in bf16 (--dtype bfloat16, as RL runs do; its "auto" would
+    # pick fp16): agreement within bf16 rounding of a float32 reference, not bit-exact
+    assert mean_diff < 0.1, mean_diff
 
 
 async def test_out_of_vocab_id_sent_to_real_sglang(tool_server) -> None:
