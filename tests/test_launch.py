@@ -151,3 +151,35 @@ async def test_attach_to_a_running_server_and_start_servers(fake_sglang, random_
     with pytest.raises(LaunchError):
         await start_servers([ok, bad], timeout=120)
     assert ok.proc is None and bad.proc is None
+
+
+async def test_command_line_serves_until_sigterm(fake_sglang, random_model_dir, tmp_path) -> None:
+    import signal
+    import subprocess
+
+    ready, log = tmp_path / "url", tmp_path / "server.log"
+    cli = subprocess.Popen([sys.executable, "-m", "agentloop.engine.launch", "--model-path", str(random_model_dir),
+                            "--log", str(log), "--ready-file", str(ready), "--", "--context-length", "2048"],
+                           env={**os.environ, **fake_sglang}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with anyio.fail_after(120):
+            while not ready.exists():
+                assert cli.poll() is None, cli.stdout.read().decode()
+                await anyio.sleep(0.2)
+        url = ready.read_text().strip()
+        from agentloop.engine.sglang import SGLangClient
+
+        async with SGLangClient(url) as c:
+            assert (await c.model_info())["model_path"] == str(random_model_dir)
+        text = log.read_text()
+        assert "--context-length 2048" in text.splitlines()[0]
+        scheduler = int(re.search(r"scheduler pid (\d+)", text).group(1))
+        cli.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(lambda: cli.wait(60)) == 0
+        assert "READY http://127.0.0.1:" in cli.stdout.read().decode()
+        with anyio.fail_after(10):
+            while running(scheduler):
+                await anyio.sleep(0.1)
+    finally:
+        if cli.poll() is None:
+            cli.kill()

@@ -5,8 +5,12 @@
 # .gpu-out/jitcache.tgz from an earlier run is restored by install_on_device.sh when present):
 #     bash tools/gpu_run.sh OUTDIR [EXTRA_COMMAND ...]
 # Each EXTRA_COMMAND is one shell command string run after the tests with the same environment, e.g.
-#     bash tools/gpu_run.sh "$OUT" "python3 benchmarks/bench_engine.py --gpu --out \$GPU_RUN_OUT"
-# (benchmarks write their JSON into $GPU_RUN_OUT = OUTDIR).
+#     bash tools/gpu_run.sh "$OUT" "python3 benchmarks/lifecycle.py --engine sglang --engine-url \$AGENTLOOP_BENCH_URL --out \$GPU_RUN_OUT"
+# Before the extra commands one SGLang server (Qwen2.5-0.5B shape, --load-format dummy, memory saver;
+# `python -m agentloop.engine.launch --dummy`) is started once and its URL exported as
+# $AGENTLOOP_BENCH_URL, so benchmarks attach instead of each paying the start-up; it is stopped at
+# the end (GPU_BENCH_SERVER=0: none; GPU_BENCH_ARGS: more launch flags, e.g. "--cuda-graph").
+# Benchmarks write their results into $GPU_RUN_OUT = OUTDIR.
 #
 # OUTDIR receives at most 8 files (the device tool brings back no more): env.txt, gpu_results.json
 # (every measurement of tests/gpu, with versions, GPU and this command), pytest.log, extra.log,
@@ -60,11 +64,26 @@ echo "pytest rc=$? $(since)"
 sed -n '/short test summary info/,$p' "$OUTDIR/pytest.log" | cut -c1-300 | tail -30
 
 : > "$OUTDIR/extra.log"
+BENCH_PID=
+if [ $# -gt 0 ] && [ "${GPU_BENCH_SERVER:-1}" = 1 ]; then
+  echo "=== benchmark server $(since)" | tee -a "$OUTDIR/extra.log"
+  rm -f /tmp/bench_url
+  setsid python3 -m agentloop.engine.launch --dummy /tmp/bench_model --mem-fraction "${GPU_BENCH_MEM:-0.5}" \
+      --log "$AGENTLOOP_GPU_OUT/sglang_bench_server.log" --ready-file /tmp/bench_url ${GPU_BENCH_ARGS:-} \
+      >> "$OUTDIR/extra.log" 2>&1 & BENCH_PID=$!
+  for _ in $(seq 1 300); do [ -s /tmp/bench_url ] && break; kill -0 $BENCH_PID 2>/dev/null || break; sleep 1; done
+  export AGENTLOOP_BENCH_URL=$(cat /tmp/bench_url 2>/dev/null)
+  echo "AGENTLOOP_BENCH_URL=${AGENTLOOP_BENCH_URL:-<failed>} $(since)" | tee -a "$OUTDIR/extra.log"
+fi
 for cmd in "$@"; do
   echo "=== extra: $cmd $(since)" | tee -a "$OUTDIR/extra.log"
   run_limited "${GPU_EXTRA_LIMIT:-150}" "$cmd >> '$OUTDIR/extra.log' 2>&1"
   echo "extra rc=$? $(since)" | tee -a "$OUTDIR/extra.log"
 done
+if [ -n "$BENCH_PID" ]; then
+  kill -TERM "$BENCH_PID" 2>/dev/null; for _ in $(seq 1 30); do kill -0 "$BENCH_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$BENCH_PID" 2>/dev/null
+fi
 [ -s "$OUTDIR/extra.log" ] || rm -f "$OUTDIR/extra.log"
 
 # server logs: the tail of each, one file (the device tool returns at most 8 files)

@@ -273,3 +273,61 @@ async def start_servers(servers: Sequence[SGLangServer], timeout: float = 600.0)
             await s.stop()
         raise errors[0]
     return [s.url for s in servers]
+
+
+# ------------------------------------------------------------------ command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m agentloop.engine.launch`: start one SGLang server, print its URL, stop it on SIGTERM/SIGINT.
+
+    For scripts that share one server between several programs (e.g. tools/gpu_run.sh and the
+    benchmarks it runs): `--ready-file` receives the URL once the server is ready.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m agentloop.engine.launch", description=main.__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-path", help="a local model folder")
+    src.add_argument("--dummy", metavar="FOLDER", help="write a Qwen2.5-0.5B-shaped config.json there; serve it "
+                     "with --load-format dummy")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--mem-fraction", type=float, default=0.5)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cuda-graph", action="store_true", help="decode CUDA graphs on")
+    p.add_argument("--log", default=None, help="server log file")
+    p.add_argument("--ready-file", default=None, help="write the URL here once ready")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags passed to sglang.launch_server verbatim")
+    a = p.parse_args(argv)
+    extra = [x for x in a.extra if x != "--"]
+    if a.dummy:
+        cfg = SGLangLaunchConfig(model_path=str(write_dummy_model(a.dummy)), load_format="dummy", port=a.port,
+                                 mem_fraction_static=a.mem_fraction, tp_size=a.tp, cuda_graph=a.cuda_graph,
+                                 extra_args=extra)
+    else:
+        cfg = SGLangLaunchConfig(model_path=a.model_path, port=a.port, mem_fraction_static=a.mem_fraction,
+                                 tp_size=a.tp, cuda_graph=a.cuda_graph, extra_args=extra)
+    server = SGLangServer(cfg, log_path=a.log)
+
+    async def serve() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            try:
+                url = await server.start(timeout=a.timeout)
+                print(f"READY {url} (started in {server.startup_seconds:.1f}s; log {server.log_path})", flush=True)
+                if a.ready_file:
+                    Path(a.ready_file).write_text(url + "\n")
+                async for _ in signals:
+                    break
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await server.stop()
+
+    try:
+        anyio.run(serve)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
