@@ -1,0 +1,229 @@
+"""Long tails: step time to get G complete GRPO groups with over-sampling + abort (partial rollout) vs
+waiting for every trajectory.
+
+Each group has n members with their own heavy-tailed multi-turn `replay` workload (a lognormal
+per-trajectory length factor with a large sigma: a few trajectories are many times longer than the
+median), drawn from one seeded stream of groups that both ways consume in order. `--steps` steps, each
+a full `Runtime.step` (staged wake-up with new weights → rollout → sleep):
+
+- **wait_all**: G fresh groups per step; the step ends when every trajectory has finished;
+- **oversample**: ceil(G x factor) groups per step — the previous step's carry-over (aborted members
+  and the finished members of their groups, resumed where they stopped: partial rollout) topped up
+  with fresh groups — with `target_groups=G`: once G groups are complete the rest are aborted
+  (counted in the step's sleep) and carried over to the next step.
+
+Both return exactly G complete groups per step (checked). Reported: per-step seconds (whole step and
+rollout phase), the reduction of the mean step time, tokens of the returned trajectories per second,
+how many trajectories were carried over, and how many returned trajectories mix weight versions (the
+price of partial rollout).
+
+    python benchmarks/long_tail.py                     # CPU engine, about two minutes
+    python benchmarks/long_tail.py --engine sglang --engine-url http://127.0.0.1:30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    WorkloadSpec,
+    add_engine_args,
+    header,
+    make_workload,
+    open_engine,
+    pyplot,
+    r4,
+    result_paths,
+    runtime_config,
+    title_suffix,
+    trainer_weights,
+    workload_stats,
+    write_json,
+)
+
+from agentloop.engine.lifecycle import Weights  # noqa: E402
+from agentloop.runtime import Runtime  # noqa: E402
+from agentloop.types import Sample  # noqa: E402
+
+
+def group_stream(spec: WorkloadSpec, n: int, tag: str) -> Iterator[list[Sample]]:
+    """Groups of `n` members, each member its own replay workload (lengths differ inside a group, as
+    sampled answers do). Members are given with their `group_id`, so the scheduler runs each once."""
+    work = make_workload(spec)
+    for g in range(len(work) // n):
+        gid = f"{tag}-g{g}"
+        yield [Sample(uid=f"{gid}_{i}", messages=[], agent="replay", group_id=gid, index_in_group=i,
+                      extra={"replay": {"prompt_tokens": spec.prompt_tokens, "turns": work[g * n + i]}})
+               for i in range(n)]
+
+
+async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: WorkloadSpec, weights_sd: dict[str, Any],
+                   first_version: int) -> list[dict[str, Any]]:
+    stream = group_stream(spec, args.group_size, mode)
+    per_step = args.target_groups if mode == "wait_all" else math.ceil(args.target_groups * args.oversample)
+    carry: list[Sample] = []
+    steps = []
+    for k in range(args.steps):
+        carried_groups = len({s.group_id for s in carry})
+        fresh = [m for _ in range(per_step - carried_groups) for m in next(stream)]
+        samples = carry + fresh
+        over = {"target_groups": args.target_groups, "partial_rollout": True} if mode == "oversample" else {}
+        res = await rt.step(samples, Weights(state_dict=weights_sd, version=f"v{first_version + k}"), **over)
+        m = res.metrics
+        groups: dict[str, list[Any]] = {}
+        for t in res.trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        complete = [g for g, ts in groups.items()
+                    if len(ts) == args.group_size and all(t.status in ("completed", "truncated") for t in ts)]
+        failed = [t for t in res.trajectories if t.status == "failed"]
+        if failed:
+            raise RuntimeError(f"{mode} step {k}: {len(failed)} failed trajectories, e.g. {failed[0].uid}: {failed[0].error}")
+        if len(complete) != args.target_groups or len(groups) != args.target_groups:
+            raise RuntimeError(f"{mode} step {k}: {len(complete)} complete groups of {len(groups)} returned, "
+                               f"wanted {args.target_groups}")
+        tokens = sum(sum(t.response_mask) for t in res.trajectories)
+        steps.append({
+            "step": k, "samples_in": len(samples), "groups_in": carried_groups + len(fresh) // args.group_size,
+            "carried_in": len(carry), "step_s": r4(m["step_seconds"]), "rollout_s": r4(m["rollout_seconds"]),
+            "wake_up_s": r4(m["wake_up_seconds"]), "sleep_s": r4(m["sleep_seconds"]),
+            "complete_groups": len(complete), "trajectories_returned": len(res.trajectories),
+            "carried_out": len(res.carry_over), "returned_sampled_tokens": int(tokens),
+            "returned_tokens_per_s": r4(tokens / m["step_seconds"]),
+            "returned_mixing_weight_versions": sum(len(set(t.weight_versions)) > 1 for t in res.trajectories),
+            "resumed_trajectories_returned": sum(t.metrics.get("resumed", 0) > 0 for t in res.trajectories),
+        })
+        print(f"{mode:10s} step {k}: {steps[-1]['step_s']:7.3f}s  ({len(samples)} trajectories in, "
+              f"{len(res.trajectories)} returned, {len(res.carry_over)} carried over)", flush=True)
+        carry = list(res.carry_over)
+    return steps
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    spec = WorkloadSpec(trajectories=10_000 // args.group_size * args.group_size, turns=args.turns,
+                        prompt_tokens=args.prompt_tokens, gen_median=args.gen_median, gen_sigma=args.gen_sigma,
+                        traj_sigma=args.traj_sigma, gen_max=args.gen_max, tool_latency_mean=args.tool_latency_mean,
+                        tool_result_median=args.tool_result_median, seed=args.seed)
+    first = make_workload(WorkloadSpec(**{**spec.as_dict(), "trajectories": args.target_groups * args.group_size}))
+    out["workload"] = {"spec": {**spec.as_dict(), "trajectories": "stream"},
+                       "first_step_wait_all": workload_stats(first)}
+    total = math.ceil(args.target_groups * args.oversample) * args.group_size
+    async with open_engine(args, max_running=max(256, total)) as engine:
+        out["engine"] = engine.description
+        weights_sd = trainer_weights(engine)
+        max_resp = args.turns * (args.gen_max + WorkloadSpec.tool_result_max) + 64
+        cfg = runtime_config(engine, concurrency=total, max_turn_tokens=args.gen_max, max_response_tokens=max_resp,
+                             n=1)
+        async with Runtime(cfg) as rt:
+            try:
+                warm = WorkloadSpec(trajectories=4, turns=2, prompt_tokens=8, gen_median=4, traj_sigma=0, gen_sigma=0,
+                                    tool_latency_mean=0.0, tool_result_median=4)
+                await rt.step([m for g in group_stream(warm, 2, "warm") for m in g], Weights(state_dict=weights_sd, version="v0"))
+                modes: dict[str, list[dict[str, Any]]] = {}
+                order = ("wait_all", "oversample") if args.seed % 2 == 0 else ("oversample", "wait_all")
+                for i, mode in enumerate(order):
+                    modes[mode] = await run_mode(rt, mode, args, spec, weights_sd, 1 + i * args.steps)
+            finally:
+                with anyio.CancelScope(shield=True):  # leave the server awake, as it was found
+                    await rt.lifecycle.wake_up(Weights(state_dict=weights_sd, version="final"))  # type: ignore[union-attr]
+    out["steps"] = modes
+    summary: dict[str, Any] = {}
+    for mode, steps in modes.items():
+        summary[mode] = {
+            "mean_step_s": r4(sum(s["step_s"] for s in steps) / len(steps)),
+            "mean_rollout_s": r4(sum(s["rollout_s"] for s in steps) / len(steps)),
+            "mean_sleep_s": r4(sum(s["sleep_s"] for s in steps) / len(steps)),
+            "returned_tokens_per_s": r4(sum(s["returned_sampled_tokens"] for s in steps) / sum(s["step_s"] for s in steps)),
+            "trajectories_mixing_versions": sum(s["returned_mixing_weight_versions"] for s in steps),
+        }
+    summary["step_time_reduction"] = r4(1 - summary["oversample"]["mean_step_s"] / summary["wait_all"]["mean_step_s"])
+    summary["steady_state_step_time_reduction"] = r4(1 - _mean_after_first(modes["oversample"]) / _mean_after_first(modes["wait_all"])) \
+        if args.steps > 1 else None
+    out["summary"] = summary
+    print(f"mean step: wait_all {summary['wait_all']['mean_step_s']:.3f}s  oversample {summary['oversample']['mean_step_s']:.3f}s  "
+          f"reduction {100 * summary['step_time_reduction']:.1f}%", flush=True)
+    return out
+
+
+def _mean_after_first(steps: list[dict[str, Any]]) -> float:
+    rest = steps[1:]
+    return sum(s["step_s"] for s in rest) / len(rest)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    width = 0.38
+    for j, (mode, label) in enumerate((("wait_all", "wait for every trajectory"),
+                                       ("oversample", f"over-sample x{report['settings']['oversample']:g} + abort"))):
+        steps = report["steps"][mode]
+        xs = [s["step"] + (j - 0.5) * width for s in steps]
+        roll = [s["rollout_s"] for s in steps]
+        rest = [s["step_s"] - s["rollout_s"] for s in steps]
+        ax.bar(xs, roll, width, label=f"{label}: rollout")
+        ax.bar(xs, rest, width, bottom=roll, alpha=0.5, label=f"{label}: wake-up + sleep (abort)")
+    s = report["summary"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_xticks(range(report["settings"]["steps"]))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    st = report["settings"]
+    ax.set_title(f"Time to {st['target_groups']} complete groups of {st['group_size']}: mean step "
+                 f"{s['wait_all']['mean_step_s']:.2f}s -> {s['oversample']['mean_step_s']:.2f}s "
+                 f"({100 * s['step_time_reduction']:.0f}% less)\n{title_suffix(report)}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--target-groups", type=int, default=8)
+    w.add_argument("--group-size", type=int, default=4)
+    w.add_argument("--oversample", type=float, default=1.5, help="groups in flight per step = ceil(target x this)")
+    w.add_argument("--steps", type=int, default=4)
+    w.add_argument("--turns", type=int, default=2)
+    w.add_argument("--prompt-tokens", type=int, default=32)
+    w.add_argument("--gen-median", type=float, default=24.0)
+    w.add_argument("--gen-sigma", type=float, default=0.4)
+    w.add_argument("--traj-sigma", type=float, default=1.0, help="lognormal sigma of a trajectory's length factor")
+    w.add_argument("--gen-max", type=int, default=384)
+    w.add_argument("--tool-latency-mean", type=float, default=0.02)
+    w.add_argument("--tool-result-median", type=float, default=8.0)
+    w.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.target_groups, args.group_size, args.oversample, args.steps = 2, 2, 2.0, 2
+        args.gen_median, args.gen_max, args.prompt_tokens, args.tool_latency_mean, args.tool_result_median = 3, 12, 8, 0.0, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    report = header("long_tail", "benchmarks/long_tail.py", argv, args)
+    report["definitions"] = {
+        "step_s": "Runtime.step seconds: staged wake-up with new weights + rollout + sleep (which aborts stragglers)",
+        "step_time_reduction": "1 - mean oversample step seconds / mean wait_all step seconds",
+        "steady_state_step_time_reduction": "the same over steps after the first (carry-over in play)",
+    }
+    report.update(anyio.run(measure, args))
+    json_path, png_path = result_paths(args, "long_tail")
+    write_json(report, json_path)
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""Multi-turn rollout throughput: agentloop vs the engine's own ceiling vs a turn-synchronous baseline.
+
+One workload — N trajectories x K turns, turn lengths heavy-tailed (lognormal per turn times a
+lognormal per trajectory, seeded), a simulated tool between turns (latency from a configurable
+distribution, a tool result of a lognormal number of tokens appended to the context) — is run three
+ways against the same engine, in one process, for each (tool-latency mean, concurrency c) of the sweep,
+`--repeats` times with the order of the three rotating:
+
+- **ceiling**: every turn as an independent single-turn request (the same context length and
+  generated-token count as that turn has in the trajectory), all submitted at once with at most c in
+  flight, longest first — what the engine does with no agent logic and no dependencies;
+- **agentloop**: `Runtime.step` with the `replay` agent loop (scheduler, sticky router, lifecycle gate,
+  token buffers): every trajectory starts, the router holds at most c requests in flight on the
+  server (`per_server_concurrency`), so a trajectory's tool wait overlaps others' generation;
+- **turn-synchronous**: turn t of every trajectory as one batch (at most c requests in flight), then
+  every tool call, then turn t+1 — the naive multi-turn design.
+
+Ceiling and baseline send their requests through the same `Lifecycle.generate` and `SGLangClient` as
+agentloop (the engine is woken before and put to sleep after, as a step does), so the comparison is
+of the scheduling only. Reported per run: generated tokens/s, trajectories/s, wall seconds, the
+fraction of wall time the engine had a request and the mean number in flight (from request
+intervals), the engine's CPU busy fraction (CPU engine we started) or mean GPU utilisation
+(nvidia-smi); per sweep point the medians and the ratios agentloop/ceiling and agentloop/baseline.
+
+    python benchmarks/rollout_throughput.py                       # CPU engine, a few minutes on 2 cores
+    python benchmarks/rollout_throughput.py --engine sglang --engine-url http://127.0.0.1:30000 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    BusySampler,
+    Engine,
+    WorkloadSpec,
+    add_engine_args,
+    filler_ids,
+    header,
+    interval_stats,
+    make_workload,
+    median,
+    open_engine,
+    pyplot,
+    r4,
+    result_paths,
+    runtime_config,
+    title_suffix,
+    trainer_weights,
+    workload_stats,
+    write_json,
+)
+
+from agentloop.engine.base import SamplingParams  # noqa: E402
+from agentloop.engine.lifecycle import Weights  # noqa: E402
+from agentloop.runtime import Runtime  # noqa: E402
+from agentloop.types import Sample  # noqa: E402
+
+MODES = ("ceiling", "agentloop", "turn_sync")
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+
+
+def _summary(mode: str, wall: float, tokens: int, n_traj: int, requests: int, intervals: list[tuple[float, float]],
+             t0: float, busy: dict[str, float], **extra: Any) -> dict[str, Any]:
+    lat = [b - a for a, b in intervals]
+    return {"mode": mode, "wall_s": r4(wall), "generated_tokens": tokens, "tokens_per_s": r4(tokens / wall),
+            "trajectories_per_s": r4(n_traj / wall), "requests": requests,
+            "request_seconds_mean": r4(sum(lat) / len(lat)) if lat else 0.0,
+            **interval_stats(intervals, t0, t0 + wall), **busy, **extra}
+
+
+async def run_ceiling(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
+                      weights: Weights) -> dict[str, Any]:
+    lc = rt.lifecycle
+    assert lc is not None
+    reqs = []
+    for i, turns in enumerate(work):
+        ctx = prompt
+        for t in turns:
+            reqs.append((i, ctx, t["gen_tokens"]))
+            ctx += t["gen_tokens"] + t["tool_result_tokens"]
+    reqs.sort(key=lambda r: -r[2])  # longest first: the best makespan a dependency-free batch can have
+    await lc.wake_up(weights)
+    intervals: list[tuple[float, float]] = []
+    tokens = 0
+    limit = anyio.Semaphore(conc)
+
+    async def one(i: int, ctx: int, gen: int) -> None:
+        nonlocal tokens
+        async with limit:
+            a = time.perf_counter()
+            out = await lc.generate(engine.url, filler_ids(ctx, salt=i), _params(gen), timeout=600)
+            intervals.append((a, time.perf_counter()))
+        if len(out.output_ids) != gen:
+            raise RuntimeError(f"ceiling: asked {gen} tokens, got {len(out.output_ids)} ({out.finish_reason})")
+        tokens += gen
+
+    try:
+        with BusySampler(engine) as bs:
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for r in reqs:
+                    tg.start_soon(one, *r)
+            wall = time.perf_counter() - t0
+    finally:
+        await lc.sleep()
+    return _summary("ceiling", wall, tokens, len(work), len(reqs), intervals, t0, bs.result())
+
+
+async def run_turn_sync(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
+                        weights: Weights) -> dict[str, Any]:
+    lc = rt.lifecycle
+    assert lc is not None
+    ctxs = [filler_ids(prompt, salt=i) for i in range(len(work))]
+    intervals: list[tuple[float, float]] = []
+    tokens = requests = 0
+    limit = anyio.Semaphore(conc)
+    await lc.wake_up(weights)
+
+    async def gen_one(i: int, n: int) -> None:
+        nonlocal tokens, requests
+        async with limit:
+            a = time.perf_counter()
+            out = await lc.generate(engine.url, ctxs[i], _params(n), timeout=600)
+            intervals.append((a, time.perf_counter()))
+        if len(out.output_ids) != n:
+            raise RuntimeError(f"turn_sync: asked {n} tokens, got {len(out.output_ids)} ({out.finish_reason})")
+        ctxs[i] = ctxs[i] + out.output_ids  # the model's tokens verbatim, as a multi-turn buffer keeps them
+        tokens += n
+        requests += 1
+
+    async def tool_one(i: int, turn: dict[str, Any]) -> None:
+        await anyio.sleep(turn["tool_latency_s"])
+        ctxs[i] = ctxs[i] + filler_ids(turn["tool_result_tokens"], salt=i + 7)
+
+    try:
+        with BusySampler(engine) as bs:
+            t0 = time.perf_counter()
+            for k in range(max(len(t) for t in work)):
+                async with anyio.create_task_group() as tg:  # turn k of every trajectory: one batch
+                    for i, turns in enumerate(work):
+                        if k < len(turns):
+                            tg.start_soon(gen_one, i, turns[k]["gen_tokens"])
+                async with anyio.create_task_group() as tg:  # then every tool call
+                    for i, turns in enumerate(work):
+                        if k < len(turns) - 1:
+                            tg.start_soon(tool_one, i, turns[k])
+            wall = time.perf_counter() - t0
+    finally:
+        await lc.sleep()
+    return _summary("turn_sync", wall, tokens, len(work), requests, intervals, t0, bs.result())
+
+
+async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
+                        weights: Weights, tag: str) -> dict[str, Any]:
+    samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
+                      extra={"replay": {"prompt_tokens": prompt, "turns": turns}})
+               for i, turns in enumerate(work)]
+    with BusySampler(engine) as bs:
+        res = await rt.step(samples, weights, concurrency=conc)
+    bad = [t for t in res.trajectories if t.status != "completed"]
+    if bad:
+        raise RuntimeError(f"agentloop: {len(bad)} trajectories not completed, e.g. {bad[0].uid}: {bad[0].status} {bad[0].error}")
+    want = sum(t["gen_tokens"] for tr in work for t in tr)
+    tokens = int(res.metrics["sampled_tokens"])
+    if tokens != want:
+        raise RuntimeError(f"agentloop: sampled {tokens} tokens, the workload has {want}")
+    wall = float(res.metrics["rollout_seconds"])
+    gens = [(e.start, e.end) for t in res.trajectories for e in t.timeline if e.kind == "generate"]
+    t0 = min(e.start for t in res.trajectories for e in t.timeline if e.kind == "queue")
+    return _summary("agentloop", wall, tokens, len(work), len(gens), gens, t0, bs.result(),
+                    step_s=r4(res.metrics["step_seconds"]), wake_up_s=r4(res.metrics["wake_up_seconds"]),
+                    sleep_s=r4(res.metrics["sleep_seconds"]),
+                    tool_seconds_mean=r4(res.metrics["tool_seconds"] / max(1, res.metrics["tool_calls"])))
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"points": [], "runs": []}
+    async with open_engine(args, max_running=max(256, max(args.concurrency))) as engine:
+        out["engine"] = engine.description
+        weights_sd = trainer_weights(engine)
+        max_resp = args.turns * (args.gen_max + WorkloadSpec.tool_result_max) + 64  # never binds: lengths are clipped
+        step = 0
+
+        def weights() -> Weights:
+            nonlocal step
+            step += 1
+            return Weights(state_dict=weights_sd, version=f"w{step}")
+
+        specs = [WorkloadSpec(trajectories=args.trajectories, turns=args.turns, prompt_tokens=args.prompt_tokens,
+                              gen_median=args.gen_median, gen_sigma=args.gen_sigma, traj_sigma=args.traj_sigma,
+                              gen_max=args.gen_max, tool_latency_dist=args.tool_latency_dist, tool_latency_mean=lat,
+                              tool_result_median=args.tool_result_median, seed=args.seed)
+                 for lat in args.tool_latency_means]
+        works = [make_workload(spec) for spec in specs]
+        for conc in args.concurrency:
+            # Every trajectory of the step starts (scheduler concurrency = N); the router holds at most
+            # `conc` requests in flight on the server — the same engine-side cap as the other two modes.
+            # (The router's per-server limit is fixed when the runtime starts: one runtime per level.)
+            cfg = runtime_config(engine, concurrency=args.trajectories, max_turn_tokens=args.gen_max,
+                                 max_response_tokens=max_resp, per_server_concurrency=conc)
+            async with Runtime(cfg) as rt:
+                try:
+                    # Warm-up: connections, the engine's first forward passes, the client's lookups.
+                    warm = make_workload(WorkloadSpec(trajectories=4, turns=2, prompt_tokens=8, gen_median=4,
+                                                      traj_sigma=0, gen_sigma=0, tool_latency_mean=0.0,
+                                                      tool_result_median=4))
+                    await run_agentloop(rt, engine, warm, 8, 4, weights(), f"warm{conc}")
+                    await run_ceiling(rt, engine, warm, 8, 4, weights())
+                    for lat, spec, work in zip(args.tool_latency_means, specs, works):
+                        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+                        for rep in range(args.repeats):
+                            order = MODES[rep % 3:] + MODES[:rep % 3]  # rotate: no mode always goes first
+                            for mode in order:
+                                if mode == "ceiling":
+                                    r = await run_ceiling(rt, engine, work, args.prompt_tokens, conc, weights())
+                                elif mode == "turn_sync":
+                                    r = await run_turn_sync(rt, engine, work, args.prompt_tokens, conc, weights())
+                                else:
+                                    r = await run_agentloop(rt, engine, work, args.prompt_tokens, args.trajectories,
+                                                            weights(), f"l{lat}c{conc}r{rep}")
+                                r.update(tool_latency_mean_s=lat, concurrency=conc, repeat=rep)
+                                runs[mode].append(r)
+                                out["runs"].append(r)
+                        point = summarize_point(lat, conc, spec, work, runs)
+                        out["points"].append(point)
+                        print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s ceiling {point['ceiling']['tokens_per_s']:9.1f}  "
+                              f"agentloop {point['agentloop']['tokens_per_s']:9.1f}  turn-sync {point['turn_sync']['tokens_per_s']:9.1f}  "
+                              f"agentloop/ceiling {point['agentloop_over_ceiling']:.3f}  "
+                              f"agentloop/turn-sync {point['agentloop_over_turn_sync']:.3f}", flush=True)
+                finally:
+                    # Leave the server awake (as it was found) for the next runtime or whoever uses it next.
+                    with anyio.CancelScope(shield=True):
+                        await rt.lifecycle.wake_up(weights())  # type: ignore[union-attr]
+    return out
+
+
+def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[dict[str, Any]]],
+                    runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    point: dict[str, Any] = {"tool_latency_mean_s": lat, "concurrency": conc, "workload": workload_stats(work)}
+    for mode, rs in runs.items():
+        m = {k: r4(median([r[k] for r in rs])) for k in rs[0]
+             if isinstance(rs[0][k], (int, float)) and k not in ("repeat", "concurrency", "tool_latency_mean_s")}
+        m["tokens_per_s_all"] = [r["tokens_per_s"] for r in rs]
+        point[mode] = m
+    point["agentloop_over_ceiling"] = r4(point["agentloop"]["tokens_per_s"] / point["ceiling"]["tokens_per_s"])
+    point["agentloop_over_turn_sync"] = r4(point["agentloop"]["tokens_per_s"] / point["turn_sync"]["tokens_per_s"])
+    # The target's condition: is the mean tool latency below the mean time of a model turn?
+    point["mean_turn_generate_s"] = point["agentloop"]["request_seconds_mean"]
+    point["tool_latency_below_turn_time"] = bool(point["workload"]["tool_latency_mean_s"] < point["mean_turn_generate_s"])
+    return point
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    lats = sorted({p["tool_latency_mean_s"] for p in report["points"]})
+    fig, axes = plt.subplots(1, len(lats), figsize=(5.2 * len(lats), 4.2), squeeze=False)
+    styles = {"ceiling": ("k--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
+              "turn_sync": ("s-", "turn-synchronous")}
+    for ax, lat in zip(axes[0], lats):
+        pts = sorted((p for p in report["points"] if p["tool_latency_mean_s"] == lat), key=lambda p: p["concurrency"])
+        xs = [p["concurrency"] for p in pts]
+        for mode, (style, label) in styles.items():
+            ax.plot(xs, [p[mode]["tokens_per_s"] for p in pts], style, label=label)
+        for p in pts:
+            ax.annotate(f"{p['agentloop_over_ceiling']:.2f}x ceil\n{p['agentloop_over_turn_sync']:.2f}x sync",
+                        (p["concurrency"], p["agentloop"]["tokens_per_s"]), textcoords="offset points", xytext=(4, -22),
+                        fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrency (requests in flight on the engine)")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"mean tool latency {lat:g}s", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    s = report["settings"]
+    fig.suptitle(f"Rollout throughput: {s['trajectories']} trajectories x {s['turns']} turns, heavy-tailed lengths "
+                 f"(median {s['gen_median']:g} tok)\n{title_suffix(report)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--trajectories", type=int, default=64)
+    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--prompt-tokens", type=int, default=64)
+    w.add_argument("--gen-median", type=float, default=24.0, help="median generated tokens of a turn")
+    w.add_argument("--gen-sigma", type=float, default=0.6, help="lognormal sigma of a turn's length")
+    w.add_argument("--traj-sigma", type=float, default=0.6, help="lognormal sigma of a trajectory's length factor")
+    w.add_argument("--gen-max", type=int, default=256)
+    w.add_argument("--tool-latency-dist", choices=["lognormal", "exponential", "constant"], default="lognormal")
+    w.add_argument("--tool-latency-means", type=float, nargs="+", default=[0.02, 0.2], help="seconds (a sweep)")
+    w.add_argument("--tool-result-median", type=float, default=16.0, help="median tokens of a tool result")
+    w.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32, 64])
+    w.add_argument("--repeats", type=int, default=2)
+    w.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.trajectories, args.turns, args.prompt_tokens, args.gen_median, args.gen_max = 6, 2, 8, 3, 8
+        args.tool_latency_means, args.concurrency, args.repeats, args.tool_result_median = [0.005], [3], 1, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    report = header("rollout_throughput", "benchmarks/rollout_throughput.py", argv, args)
+    report["definitions"] = {
+        "ceiling": "every turn as an independent request (same context length and generated tokens), all submitted "
+                   "at once, at most `concurrency` in flight, longest first",
+        "agentloop": "Runtime.step with the replay agent loop: every trajectory started, at most `concurrency` "
+                     "requests in flight on the server (router per-server limit); wall = the scheduler's rollout "
+                     "seconds (wake-up and sleep reported apart)",
+        "turn_sync": "turn t of all trajectories as one batch (at most `concurrency` requests in flight), then all "
+                     "tools, then turn t+1",
+        "engine_has_work_fraction": "fraction of wall time with >= 1 generate request in flight (client side)",
+        "engine_cpu_busy_fraction": "CPU engine process CPU seconds per wall second (its model runs on --engine-threads)",
+        "gpu_utilization_mean": "nvidia-smi utilization.gpu, mean of 100 ms samples",
+        "ratios": "of median generated tokens/s over repeats, same workload, same engine, same process",
+    }
+    report.update(anyio.run(measure, args))
+    json_path, png_path = result_paths(args, "rollout_throughput")
+    write_json(report, json_path)
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

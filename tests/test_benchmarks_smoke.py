@@ -1,0 +1,88 @@
+"""The rollout benchmarks still run: each one in its tiny `--smoke` configuration on the CPU engine.
+
+Runs the scripts as a user would (a subprocess: they set the matplotlib backend and their import
+path) into a temporary folder, and checks the report's fields and the plot. No timing thresholds:
+speed is measured in `benchmarks/`, not asserted in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HEADER = ("benchmark", "command", "date", "git_commit", "versions", "hardware", "settings", "engine")
+
+
+def run_smoke(script: str, out: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    path = out / f"{script}_cpu_smoke.json"
+    assert path.is_file(), f"{script} wrote no {path.name}; files: {sorted(p.name for p in out.iterdir())}"
+    png = path.with_suffix(".png")
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{script}: no PNG plot"
+    report = json.loads(path.read_text())
+    for key in HEADER:
+        assert key in report, f"{script}: report lacks {key!r}"
+    assert report["benchmark"] == script
+    assert "--smoke" in report["command"]
+    for v in ("agentloop", "torch", "transformers", "sglang"):
+        assert v in report["versions"], f"{script}: versions lack {v}"
+    assert report["hardware"]["cpu"] is not None and "gpu" in report["hardware"]
+    return report
+
+
+@pytest.mark.slow
+def test_rollout_throughput_smoke(tmp_path: Path) -> None:
+    r = run_smoke("rollout_throughput", tmp_path)
+    assert len(r["points"]) == 1
+    p = r["points"][0]
+    for mode in ("ceiling", "agentloop", "turn_sync"):
+        m = p[mode]
+        for key in ("tokens_per_s", "trajectories_per_s", "wall_s", "engine_has_work_fraction", "mean_requests_in_flight"):
+            assert key in m, f"{mode} lacks {key}"
+        # every mode generated exactly the workload's tokens
+        assert m["generated_tokens"] == p["workload"]["generated_tokens"] > 0
+        assert 0 < m["engine_has_work_fraction"] <= 1
+    assert p["agentloop_over_ceiling"] > 0 and p["agentloop_over_turn_sync"] > 0
+    assert "engine_cpu_busy_fraction" in p["agentloop"]  # the CPU engine we started is sampled
+    assert {"tool_latency_below_turn_time", "mean_turn_generate_s"} <= set(p)
+    assert len(r["runs"]) == 3
+
+
+@pytest.mark.slow
+def test_lifecycle_smoke(tmp_path: Path) -> None:
+    r = run_smoke("lifecycle", tmp_path)
+    wake, sleep = r["timing"]["wake_up"], r["timing"]["sleep"]
+    for stage in ("resume_weights", "update_weights", "resume_kv_cache", "total"):
+        assert wake[stage]["agentloop_s"] > 0 and wake[stage]["raw_s"] > 0 and wake[stage]["ratio"] > 0
+    for stage in ("pause", "flush_cache", "release", "total"):
+        assert sleep[stage]["raw_s"] > 0 and sleep[stage]["ratio"] > 0
+    assert len(r["cycles"]["agentloop"]) == len(r["cycles"]["raw"]) == r["settings"]["repeats"]
+    assert r["weights"]["bytes"] > 0 and r["weights"]["tensors"] > 0
+    mem = r["memory"]
+    assert mem["staged_peak_gib"] > 0 and mem["one_stage_peak_gib"] > 0 and "kv_pool_gib" in mem
+    assert {run["mode"] for run in mem["runs"]} == {"staged", "one_stage"}
+
+
+@pytest.mark.slow
+def test_long_tail_smoke(tmp_path: Path) -> None:
+    r = run_smoke("long_tail", tmp_path)
+    s = r["settings"]
+    for mode in ("wait_all", "oversample"):
+        steps = r["steps"][mode]
+        assert len(steps) == s["steps"]
+        assert all(st["complete_groups"] == s["target_groups"] for st in steps)
+        assert r["summary"][mode]["mean_step_s"] > 0
+    # over-sampling ran more groups than it returned and carried the rest over
+    assert all(st["samples_in"] > st["trajectories_returned"] for st in r["steps"]["oversample"])
+    assert r["steps"]["oversample"][1]["carried_in"] > 0
+    assert all(st["carried_out"] == 0 for st in r["steps"]["wait_all"])
+    assert "step_time_reduction" in r["summary"]
