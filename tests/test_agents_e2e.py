@@ -149,8 +149,11 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
         p = len(traj.prompt_ids)
         for j, (t, m, lp) in enumerate(zip(traj.response_ids, traj.response_mask, traj.response_logprobs)):
             if m:
-                assert logp[p + j - 1, t].item() == pytest.approx(lp, abs=2e-3)
-                assert logp[p + j - 1].argmax().item() == t  # greedy
+                row = logp[p + j - 1]
+                assert row[t].item() == pytest.approx(lp, abs=1e-3)
+                top2 = row.topk(2).values
+                if (top2[0] - top2[1]).item() > 1e-3:  # greedy picked the argmax (ties aside)
+                    assert row.argmax().item() == t
     rewards = [results[s.uid].reward for s in samples]
     assert sum(rewards) >= len(rewards) // 2, rewards  # the trained model mostly gets these right
 
