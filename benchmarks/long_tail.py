@@ -27,7 +27,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import anyio
 
@@ -105,7 +105,8 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
     return steps
 
 
-async def measure(args: argparse.Namespace) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Both ways; `save(out)` after each, so a run cut short still leaves its results."""
     out: dict[str, Any] = {}
     spec = WorkloadSpec(trajectories=10_000 // args.group_size * args.group_size, turns=args.turns,
                         prompt_tokens=args.prompt_tokens, gen_median=args.gen_median, gen_sigma=args.gen_sigma,
@@ -127,13 +128,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                     tool_latency_mean=0.0, tool_result_median=4)
                 await rt.step([m for g in group_stream(warm, 2, "warm") for m in g], Weights(state_dict=weights_sd, version="v0"))
                 modes: dict[str, list[dict[str, Any]]] = {}
+                out["steps"] = modes
                 order = ("wait_all", "oversample") if args.seed % 2 == 0 else ("oversample", "wait_all")
                 for i, mode in enumerate(order):
                     modes[mode] = await run_mode(rt, mode, args, spec, weights_sd, 1 + i * args.steps)
+                    save(out)
             finally:
                 with anyio.CancelScope(shield=True):  # leave the server awake, as it was found
                     await rt.lifecycle.wake_up(Weights(state_dict=weights_sd, version="final"))  # type: ignore[union-attr]
-    out["steps"] = modes
     summary: dict[str, Any] = {}
     for mode, steps in modes.items():
         summary[mode] = {
@@ -217,10 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_reduction": "1 - mean oversample step seconds / mean wait_all step seconds",
         "steady_state_step_time_reduction": "the same over steps after the first (carry-over in play)",
     }
-    report.update(anyio.run(measure, args))
     json_path, png_path = result_paths(args, "long_tail")
-    write_json(report, json_path)
-    plot(report, png_path)
+
+    def save(measured: dict[str, Any], complete: bool = False) -> None:
+        report.update(measured, complete=complete)
+        write_json(report, json_path)
+        if complete:
+            plot(report, png_path)
+
+    save(anyio.run(measure, args, save), complete=True)
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -32,7 +32,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 
@@ -184,7 +184,8 @@ async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, A
                     tool_seconds_mean=r4(res.metrics["tool_seconds"] / max(1, res.metrics["tool_calls"])))
 
 
-async def measure(args: argparse.Namespace) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The sweep; `save(out)` after every point, so a run cut short still leaves its results."""
     out: dict[str, Any] = {"points": [], "runs": []}
     async with open_engine(args, max_running=max(256, max(args.concurrency))) as engine:
         out["engine"] = engine.description
@@ -234,6 +235,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                 out["runs"].append(r)
                         point = summarize_point(lat, conc, spec, work, runs)
                         out["points"].append(point)
+                        save(out)
                         print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s ceiling {point['ceiling']['tokens_per_s']:9.1f}  "
                               f"agentloop {point['agentloop']['tokens_per_s']:9.1f}  turn-sync {point['turn_sync']['tokens_per_s']:9.1f}  "
                               f"agentloop/ceiling {point['agentloop_over_ceiling']:.3f}  "
@@ -296,17 +298,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(p)
     w = p.add_argument_group("workload")
-    w.add_argument("--trajectories", type=int, default=64)
-    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--trajectories", type=int, default=48)
+    w.add_argument("--turns", type=int, default=3)
     w.add_argument("--prompt-tokens", type=int, default=64)
-    w.add_argument("--gen-median", type=float, default=24.0, help="median generated tokens of a turn")
+    w.add_argument("--gen-median", type=float, default=16.0, help="median generated tokens of a turn")
     w.add_argument("--gen-sigma", type=float, default=0.6, help="lognormal sigma of a turn's length")
     w.add_argument("--traj-sigma", type=float, default=0.6, help="lognormal sigma of a trajectory's length factor")
     w.add_argument("--gen-max", type=int, default=256)
     w.add_argument("--tool-latency-dist", choices=["lognormal", "exponential", "constant"], default="lognormal")
     w.add_argument("--tool-latency-means", type=float, nargs="+", default=[0.02, 0.2], help="seconds (a sweep)")
     w.add_argument("--tool-result-median", type=float, default=16.0, help="median tokens of a tool result")
-    w.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32, 64])
+    w.add_argument("--concurrency", type=int, nargs="+", default=[4, 12, 48])
     w.add_argument("--repeats", type=int, default=2)
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -333,10 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_utilization_mean": "nvidia-smi utilization.gpu, mean of 100 ms samples",
         "ratios": "of median generated tokens/s over repeats, same workload, same engine, same process",
     }
-    report.update(anyio.run(measure, args))
     json_path, png_path = result_paths(args, "rollout_throughput")
-    write_json(report, json_path)
-    plot(report, png_path)
+
+    def save(measured: dict[str, Any], complete: bool = False) -> None:
+        report.update(measured, complete=complete)
+        write_json(report, json_path)
+        plot(report, png_path)
+
+    save(anyio.run(measure, args, save), complete=True)
     print(f"wrote {json_path} and {png_path}")
     return 0
 
