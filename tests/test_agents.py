@@ -108,6 +108,8 @@ def sample(q: str = "What is 2 + 3?", **kw: Any) -> Sample:
 def assert_exact(traj: Trajectory, eng: ScriptedEngine) -> None:
     traj.check_invariants()
     assert traj.prompt_ids == eng.inputs[0]
+    # Every loop ends on a model turn: the engine's last input plus what it sampled.
+    assert traj.prompt_ids + traj.response_ids == eng.inputs[-1] + eng.sampled[-1]
     for inp in eng.inputs:
         assert (traj.prompt_ids + traj.response_ids)[: len(inp)] == inp
     sampled = [t for s in eng.sampled for t in s]

@@ -78,6 +78,7 @@ class Recorder:
 def assert_matches_engine(traj: Trajectory, rec: Recorder) -> None:
     traj.check_invariants()
     full = traj.prompt_ids + traj.response_ids
+    assert full == rec.inputs[-1] + rec.outputs[-1].output_ids
     assert rec.inputs[0] == traj.prompt_ids
     for inp in rec.inputs:
         assert full[: len(inp)] == inp
