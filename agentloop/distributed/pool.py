@@ -193,7 +193,8 @@ class WorkerPool:
                 w.load += 1
                 w.jobs += 1
                 return w
-            self._freed = anyio.Event()
+            if self._freed.is_set():  # one event shared by every waiter: a release wakes them all
+                self._freed = anyio.Event()
             await self._freed.wait()
 
     def _release(self, w: _Worker) -> None:
@@ -243,11 +244,17 @@ class WorkerPool:
             except RayActorError:
                 pass  # the run itself reports the death
 
+        error: Exception | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(forward_stop)
-            with anyio.fail_after(timeout):
-                result = await ref
+            try:
+                with anyio.fail_after(timeout):
+                    result = await ref
+            except Exception as e:  # raised below, outside the task group, so callers see it unwrapped
+                error = e
             tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
         return result
 
 

@@ -81,11 +81,16 @@ class FanOutLifecycle(Lifecycle):
         super().__init__(clients, **kwargs)
         self.pool = pool
         self.prune = prune
+        #: Wall-clock spans during which the workers' gates were open: [gates opened, gates closing).
+        #: Each starts after the driver reached AWAKE and ends before it leaves AWAKE (checked by tests).
+        self.gate_windows: list[list[float]] = []
 
     async def wake_up(self, weights: Any = None) -> str | None:
         if self.prune is not None and self.state is not EngineState.AWAKE:
             await self.prune()
         version = await super().wake_up(weights)
+        if not self.gate_windows or len(self.gate_windows[-1]) == 2:
+            self.gate_windows.append([time.time()])
         await self.pool.open_gates(version)  # only now: every engine finished its last wake-up stage
         return version
 
@@ -93,6 +98,8 @@ class FanOutLifecycle(Lifecycle):
         if self.state is EngineState.SLEEPING:
             return
         await self.pool.close_gates()  # before any engine is paused: no worker dispatches from here on
+        if self.gate_windows and len(self.gate_windows[-1]) == 1:
+            self.gate_windows[-1].append(time.time())
         if self.prune is not None:
             await self.prune()
         await super().sleep()

@@ -136,12 +136,13 @@ class RolloutWorker:
         reward_fn: Callable[..., Any] | None = None,
         interaction: Any = None,
     ) -> None:
-        from ..engine.sglang import SGLangClient
+        from ..runtime import Runtime
 
         self.index = index
         self.config = RuntimeConfig.model_validate(config)
         ecfg, scfg = self.config.engine, self.config.scheduler
-        self.clients = [SGLangClient(u, timeout=ecfg.request_timeout) for u in urls]
+        local = Runtime(self.config)  # not started: only its client and default-tools recipes are used
+        self.clients = [local._client(u) for u in urls]
         self.dispatch_times: list[float] = []
         self.gate = WorkerGate(self.clients, settle_timeout=ecfg.settle_timeout,
                                on_generate=lambda url, state: self.dispatch_times.append(time.time()))
@@ -153,12 +154,7 @@ class RolloutWorker:
             request_timeout=ecfg.request_timeout,
             clock=time.time,  # wall clock: timelines from workers on different machines line up
         )
-        if tools_factory is not None:
-            tools = tools_factory(self.config)
-        else:
-            from ..runtime import Runtime
-
-            tools = Runtime(self.config)._load_tools()  # the same default tools as local mode
+        tools = tools_factory(self.config) if tools_factory is not None else local._load_tools()
         self.scheduler = Scheduler(
             self.router,
             tokenizer=tokenizer,

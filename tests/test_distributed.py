@@ -1,0 +1,254 @@
+"""Ray mode (`agentloop.distributed`) on a local CPU Ray cluster: 2 workers x 2 CPU engines.
+
+One Ray session and one `RayRuntime` serve the whole module (engines and workers take seconds to
+start on the 2-core CI machine); the tests run in file order and the destructive ones come last.
+What is shown:
+- Ray mode and local mode give the same trajectories token for token (greedy) over 2 steps, each
+  with the staged wake-up and the sleep fanned out to both engines, and no worker dispatch outside
+  the driver's AWAKE window (the engines also refuse generation while asleep);
+- work is handed out as workers free up (a worker stuck with long trajectories gets fewer), and the
+  members of one GRPO group run on different workers;
+- `ray.kill` of a worker mid-step loses nothing: its trajectories re-run elsewhere, the step result
+  lists them, and the tokens equal an undisturbed run;
+- a SIGKILLed engine server mid-step is taken out, the step completes, and the next one runs on the
+  remaining server.
+The `replay` agent loop drives a tiny random model (turn structure from the sample, tokens sampled).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from agentloop.distributed import RayRuntime, WorkerGate  # noqa: E402
+from agentloop.engine.base import EngineError, GenerateOutput, SamplingParams  # noqa: E402
+from agentloop.engine.lifecycle import EngineState, LifecycleError  # noqa: E402
+from agentloop.engine.sglang import SGLangClient  # noqa: E402
+from agentloop.models.random_model import make_random_model  # noqa: E402
+from agentloop.runtime import Runtime, StepResult  # noqa: E402
+from agentloop.types import Sample, Trajectory  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+ENGINE_ARGS = ["--num-threads", "1", "--log-level", "warning"]
+WAKE = ["resume_weights", "update_weights", "resume_kv_cache"]
+SLEEP = ["pause", "settle", "continue", "flush_cache", "release"]
+
+
+def replay_samples(prefix: str, n: int, *, turns: int = 2, gen: int = 6, latency: float = 0.02) -> list[Sample]:
+    spec = {"prompt_tokens": 12, "turns": [{"gen_tokens": gen, "tool_latency_s": latency, "tool_result_tokens": 3}] * turns}
+    return [Sample(uid=f"{prefix}{i}", messages=[{"role": "user", "content": "x"}], agent="replay",
+                   extra={"replay": spec}) for i in range(n)]
+
+
+def config(model: Path, servers: int) -> dict[str, Any]:
+    return {
+        "engine": {"model": str(model), "num_local_servers": servers, "local_args": ENGINE_ARGS},
+        "scheduler": {"n": 2},
+        "agent": {"temperature": 0.0, "seed": 7},
+    }
+
+
+def tokens(t: Trajectory) -> tuple[Any, ...]:
+    return (t.uid, t.group_id, t.status, t.num_turns, t.prompt_ids, t.response_ids, t.response_mask)
+
+
+def assert_same(a: list[Trajectory], b: list[Trajectory]) -> None:
+    by_uid = {t.uid: t for t in b}
+    assert sorted(by_uid) == sorted(t.uid for t in a)
+    for t in a:
+        u = by_uid[t.uid]
+        assert tokens(t) == tokens(u), t.uid
+        assert t.response_logprobs == pytest.approx(u.response_logprobs, abs=1e-4), t.uid
+
+
+def on_portal(rt: Runtime, fn: Callable[[], Any]) -> Any:
+    """Run an async method of a runtime used through its sync facade, on its event loop."""
+    return rt._blocking_portal().call(fn)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_model(tmp_path_factory.mktemp("dist") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rt(ray_session: None, model_dir: Path) -> Iterator[RayRuntime]:
+    runtime = RayRuntime(config(model_dir, 2), ray_config={"num_workers": 2, "worker_capacity": 2, "engine_num_cpus": 1})
+    runtime.start_sync()
+    yield runtime
+    runtime.stop_sync()
+
+
+@pytest.fixture(scope="module")
+def local_reference(model_dir: Path) -> dict[str, list[Trajectory]]:
+    """The same samples through local mode (no Ray), once per module."""
+    out = {}
+    with Runtime(config(model_dir, 1)) as local:
+        for prefix in ("a", "b"):
+            out[prefix] = local.step_sync(replay_samples(prefix, 3)).trajectories
+    return out
+
+
+# ---------------------------------------------------------------------- the gate, in-process
+class _Engine:
+    url = "http://engine"
+
+    def __init__(self) -> None:
+        self.generates = 0
+
+    async def generate(self, input_ids, sampling_params, *, rid=None, return_logprob=True, timeout=None):
+        self.generates += 1
+        return GenerateOutput([1], [-0.1], {"type": "length", "length": 1}, "v", rid or "")
+
+
+async def test_worker_gate_follows_the_driver_and_never_drives_engines() -> None:
+    import anyio
+
+    engine = _Engine()
+    gate = WorkerGate([engine])  # type: ignore[list-item]
+    assert gate.state is EngineState.SLEEPING
+    with pytest.raises(TimeoutError):  # closed: the generate waits at the gate
+        await gate.generate(engine.url, [1, 2], SamplingParams(max_new_tokens=1), gate_timeout=0.2)
+    assert engine.generates == 0
+    gate.open("v1")
+    assert (await gate.generate(engine.url, [1, 2], SamplingParams(max_new_tokens=1))).output_ids == [1]
+    assert gate.close() == 0 and gate.state is EngineState.DRAINING
+    with anyio.move_on_after(0.2):
+        await gate.generate(engine.url, [1], SamplingParams(max_new_tokens=1))
+    assert engine.generates == 1 and gate.generations_outside_awake == 0
+    for transition in (gate.wake_up(), gate.sleep()):
+        with pytest.raises(LifecycleError, match="driver"):
+            await transition
+
+
+# ---------------------------------------------------------------------- Ray mode on CPU
+def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_reference: dict[str, list[Trajectory]], model_dir: Path) -> None:
+    assert rt.lifecycle.state is EngineState.SLEEPING and len(rt.lifecycle.urls) == 2
+    results: list[StepResult] = []
+    for prefix in ("a", "b"):
+        first = len(rt.lifecycle.records)
+        res = rt.step_sync(replay_samples(prefix, 3))
+        results.append(res)
+        assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "wake_up"] == WAKE
+        assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "sleep"] == SLEEP
+        assert all(r.detail["servers"] == 2 for r in rt.lifecycle.records[first:])  # every stage on both engines
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        assert res.metrics["status_counts"]["completed"] == 6 and res.batch["input_ids"].shape[0] == 6
+        assert_same(res.trajectories, local_reference[prefix])
+        ray_metrics = res.metrics["ray"]
+        assert ray_metrics["retried"] == [] and ray_metrics["worker_generations_outside_awake"] == 0
+        assert len(ray_metrics["jobs_per_worker"]) == 2  # both workers served
+        groups: dict[str, set[int]] = {}
+        for t in res.trajectories:
+            groups.setdefault(t.group_id, set()).add(t.extra["worker"])
+        assert any(len(ws) == 2 for ws in groups.values())  # a group's members are not tied to one worker
+        assert {u for t in res.trajectories for u in t.extra["servers"]} == set(rt.lifecycle.urls)
+        # Asleep between steps: an engine refuses generation, so a dispatch past the gate would fail loudly.
+        for url in rt.lifecycle.urls:
+            client = SGLangClient(url)
+            with pytest.raises(EngineError, match="(?i)releas"):
+                on_portal(rt, lambda: client.generate([5, 6, 7], SamplingParams(max_new_tokens=2)))
+            on_portal(rt, client.close)
+    # Every worker dispatch happened while the driver's lifecycle was AWAKE (inside a gate window).
+    windows = rt.lifecycle.gate_windows
+    assert len(windows) == 2 and all(len(w) == 2 for w in windows)
+    stats = on_portal(rt, rt.worker_stats)
+    dispatches = [t for s in stats for t in s["dispatch_times"]]
+    assert len(dispatches) == 2 * 6 * 2
+    assert all(any(lo <= t <= hi for lo, hi in windows) for t in dispatches)
+    assert {s["gate"] for s in stats} == {"SLEEPING"}
+
+
+def test_work_goes_to_whichever_worker_is_free(rt: RayRuntime) -> None:
+    # Worker capacity 2; input order long, short, long, short x5: a static split would give each
+    # worker 4. Dispatched as slots free up, one worker holds both long trajectories and the other
+    # runs every short one meanwhile.
+    long_ = replay_samples("L", 2, latency=1.5)
+    short = replay_samples("S", 6)
+    samples = [long_[0], short[0], long_[1], *short[1:]]
+    t0 = time.monotonic()
+    res = rt.step_sync(samples, n=1)
+    took = time.monotonic() - t0
+    assert res.metrics["status_counts"]["completed"] == 8
+    assert sorted(res.metrics["ray"]["jobs_per_worker"].values()) == [2, 6]
+    by_worker: dict[int, set[str]] = {}
+    for t in res.trajectories:
+        by_worker.setdefault(t.extra["worker"], set()).add(t.uid)
+    assert {"L0", "L1"} in by_worker.values()
+    assert took < 2 * 1.5 + 10  # the two long ones ran side by side
+
+
+def test_killing_a_worker_mid_step_loses_nothing(rt: RayRuntime) -> None:
+    samples = replay_samples("k", 3, turns=3, latency=0.4)
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            busy = [i for i, n in rt.pool.load().items() if n > 0]
+            if busy:
+                time.sleep(0.3)  # mid-trajectory: a model turn done, a tool call running
+                killed.append(busy[0])
+                ray.kill(rt.pool.handles[busy[0]], no_restart=True)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    res = rt.step_sync(samples)
+    thread.join()
+    assert killed, "no worker was busy"
+    ray_metrics = res.metrics["ray"]
+    assert res.metrics["status_counts"]["completed"] == 6 and len(res.trajectories) == 6 and not res.carry_over
+    assert ray_metrics["retried"] and {r["worker"] for r in ray_metrics["retried"]} == set(killed)
+    assert [d["worker"] for d in ray_metrics["worker_deaths"]] == killed
+    assert ray_metrics["workers_replaced"] and ray_metrics["workers_alive"] == 2
+    retried = {r["uid"] for r in ray_metrics["retried"]}
+    assert all(t.extra["worker"] != killed[0] for t in res.trajectories if t.uid in retried)
+    for t in res.trajectories:
+        t.check_invariants()
+    # The re-runs are the trajectories an undisturbed step produces, token for token (greedy).
+    again = rt.step_sync(samples)
+    assert again.metrics["ray"]["retried"] == []
+    assert_same(res.trajectories, again.trajectories)
+
+
+def test_dead_engine_server_is_taken_out(rt: RayRuntime) -> None:
+    info = on_portal(rt, rt.engine_info)
+    assert len(info) == 2 and all(i["alive"] for i in info)
+    victim = info[0]
+    samples = replay_samples("e", 3, turns=3, latency=0.3)
+
+    def killer() -> None:
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    res = rt.step_sync(samples)
+    thread.join()
+    assert res.metrics["status_counts"]["completed"] == 6
+    assert victim["url"] in res.metrics["servers_removed"]
+    assert rt.lifecycle.urls == [info[1]["url"]]
+    assert all(s["servers"] == [info[1]["url"]] for s in on_portal(rt, rt.worker_stats))
+    # The next step wakes, rolls out and sleeps on the server that is left.
+    nxt = rt.step_sync(replay_samples("f", 2))
+    assert nxt.metrics["status_counts"]["completed"] == 4
+    assert {u for t in nxt.trajectories for u in t.extra["servers"]} == {info[1]["url"]}
+    assert rt.lifecycle.state is EngineState.SLEEPING
