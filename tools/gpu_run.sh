@@ -10,11 +10,12 @@
 # `python -m agentloop.engine.launch --dummy`) is started once and its URL exported as
 # $AGENTLOOP_BENCH_URL, so benchmarks attach instead of each paying the start-up; it is stopped at
 # the end (GPU_BENCH_SERVER=0: none; GPU_BENCH_ARGS: more launch flags, e.g. "--cuda-graph").
-# Benchmarks write their results into $GPU_RUN_OUT = OUTDIR.
+# Extra commands write their result files into $GPU_RUN_OUT (a scratch folder); it comes back as
+# OUTDIR/extra_results.tgz (the device tool returns at most 8 files).
 #
 # OUTDIR receives at most 8 files (the device tool brings back no more): env.txt, gpu_results.json
 # (every measurement of tests/gpu, with versions, GPU and this command), pytest.log, extra.log,
-# sglang_logs.txt (tails of every SGLang server log), jitcache.tgz (when under 8 MB).
+# extra_results.tgz, sglang_logs.txt (tails of every SGLang server log), jitcache.tgz (when under 8 MB).
 # Time limits (seconds): GPU_TEST_LIMIT (420) for pytest, GPU_EXTRA_LIMIT (150) per extra command.
 set -u
 OUTDIR=${1:?usage: bash tools/gpu_run.sh OUTDIR [EXTRA_COMMAND ...]}
@@ -42,8 +43,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export AGENTLOOP_GPU_OUT=${AGENTLOOP_GPU_OUT:-/tmp/agentloop_gpu}
 export AGENTLOOP_GPU_RESULTS="$OUTDIR/gpu_results.json"
 export AGENTLOOP_GPU_COMMAND="bash tools/gpu_run.sh OUTDIR $*"
-export GPU_RUN_OUT="$OUTDIR"
-mkdir -p "$AGENTLOOP_GPU_OUT"
+export GPU_RUN_OUT=/tmp/gpu_run_extra
+mkdir -p "$AGENTLOOP_GPU_OUT" "$GPU_RUN_OUT"
 
 # Own process group with a hard limit: a hung server must not eat the whole device call.
 run_limited() {
@@ -85,6 +86,7 @@ if [ -n "$BENCH_PID" ]; then
   kill -KILL -- -"$BENCH_PID" 2>/dev/null
 fi
 [ -s "$OUTDIR/extra.log" ] || rm -f "$OUTDIR/extra.log"
+[ -n "$(ls -A "$GPU_RUN_OUT")" ] && tar -czf "$OUTDIR/extra_results.tgz" -C "$GPU_RUN_OUT" .
 
 # server logs: the tail of each, one file (the device tool returns at most 8 files)
 for f in "$AGENTLOOP_GPU_OUT"/*.log; do
