@@ -8,6 +8,8 @@ What is shown:
   the driver's AWAKE window (the engines also refuse generation while asleep);
 - work is handed out as workers free up (a worker stuck with long trajectories gets fewer), and the
   members of one GRPO group run on different workers;
+- a sleep in the middle of a step drains every worker before memory is released, and the aborted
+  trajectories continue next step;
 - `ray.kill` of a worker mid-step loses nothing: its trajectories re-run elsewhere, the step result
   lists them, and the tokens equal an undisturbed run;
 - a SIGKILLed engine server mid-step is taken out, the step completes, and the next one runs on the
@@ -192,6 +194,38 @@ def test_work_goes_to_whichever_worker_is_free(rt: RayRuntime) -> None:
         by_worker.setdefault(t.extra["worker"], set()).add(t.uid)
     assert {"L0", "L1"} in by_worker.values()
     assert took < 2 * 1.5 + 10  # the two long ones ran side by side
+
+
+def test_sleep_mid_step_drains_every_worker_then_resumes(rt: RayRuntime) -> None:
+    spec = {"prompt_tokens": 12, "turns": [{"gen_tokens": 160, "tool_result_tokens": 2}, {"gen_tokens": 4}]}
+    samples = [Sample(uid=f"m{i}", messages=[{"role": "user", "content": "x"}], agent="replay", extra={"replay": spec})
+               for i in range(2)]
+    slept: list[float] = []
+
+    def sleeper() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(s["in_flight"] for s in on_portal(rt, rt.worker_stats)) < 4:
+            time.sleep(0.01)  # every trajectory has its long first turn on an engine
+        time.sleep(0.05)
+        on_portal(rt, rt.sleep)  # closes every worker's gate, aborts, settles the workers' requests, releases
+        slept.append(time.time())
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    res = rt.step_sync(samples)
+    thread.join()
+    assert slept and rt.lifecycle.state is EngineState.SLEEPING
+    assert all(s["in_flight"] == 0 and s["gate"] == "SLEEPING" for s in on_portal(rt, rt.worker_stats))
+    assert res.trajectories == [] and len(res.carry_over) == 4
+    partial = {c.uid: c.resume_from for c in res.carry_over}
+    assert all(p is not None and p.status == "aborted" and len(p.response_ids) < 160 for p in partial.values())
+    assert sum(len(p.response_ids) for p in partial.values()) > 0  # tokens sampled before the abort are kept
+    res2 = rt.step_sync(res.carry_over)  # the partials continue, on whichever worker is free
+    assert [t.status for t in res2.trajectories] == ["completed"] * 4
+    for t in res2.trajectories:
+        t.check_invariants()
+        p = partial[t.uid]
+        assert t.response_ids[: len(p.response_ids)] == p.response_ids and len(t.response_ids) == 160 + 2 + 4
 
 
 def test_killing_a_worker_mid_step_loses_nothing(rt: RayRuntime) -> None:
