@@ -144,7 +144,8 @@ class Scheduler:
         """Abort one request by rid, or all when rid is None. Returns how many were aborted."""
         victims = [r for r in (*self.running, *self.waiting, *self.held) if rid is None or r.rid == rid]
         for r in victims:
-            self._finish(r, {"type": "abort", "message": message})
+            # SGLang's abort reason carries status_code/err_type (null for a plain abort).
+            self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
         self.waiting = deque(r for r in self.waiting if not r.finished)
         self.held = deque(r for r in self.held if not r.finished)
         self._drop_finished_rows()

@@ -35,7 +35,7 @@ ARGS_KEY = web.AppKey("server_args", dict)
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return web.json_response({"error": {"message": message}}, status=status)
 
 
 async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
@@ -62,7 +62,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except EngineInputError as e:
         if request.path.startswith("/update_weights"):
-            return web.json_response({"success": False, "message": e.message}, status=e.status)
+            body: dict[str, Any] = {"success": False, "message": e.message}
+            if request.path == "/update_weights_from_disk":
+                body["num_paused_requests"] = 0  # SGLang's disk-update answers carry it, success or not
+            return web.json_response(body, status=e.status)
         return _error(e.status, e.message)
     except web.HTTPException:
         raise
@@ -219,7 +222,7 @@ async def _stream(request: web.Request, reqs: list[Request], watches: list[_Watc
         for i in sorted(pending):
             r, w = reqs[i], watches[i]
             if r.error is not None:
-                chunk: dict[str, Any] = {"error": {"message": r.error[1], "code": r.error[0]}}
+                chunk: dict[str, Any] = {"error": {"message": r.error[1]}}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 pending.discard(i)
                 continue
@@ -371,6 +374,8 @@ async def server_info(request: web.Request) -> web.Response:
         "weight_version": engine.weight_version,
         "skip_tokenizer_init": True,
         "enable_memory_saver": True,
+        "tp_size": 1,
+        "dp_size": 1,
         "tensor_transport": "safetensors",
         "engine": "agentloop-cpu",
         "version": agentloop.__version__,
