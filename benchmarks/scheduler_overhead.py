@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "scheduler_overhead.json"))
     args = p.parse_args(argv)
+    load_before = os.getloadavg()
     measured = anyio.run(run, args)
     report = {
         "benchmark": "scheduler_overhead",
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "hardware": hardware(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        # The engine is another process on the same cores: client CPU time is taken from the engine,
+        # and other work on the machine adds noise (hence medians of alternating repeats).
+        "load_average_1_5_15_before": [round(x, 2) for x in load_before],
         "ratio_definition": "agentloop rollout seconds (scheduler+router+gate+client+buffer) / bare aiohttp loop seconds, "
                             "median over repeats, same server, same requests",
         **measured,
