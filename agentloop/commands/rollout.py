@@ -82,8 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "rollout",
         help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png)",
-        description=__doc__.split("\n\n")[0] + " Defaults of every setting: `agentloop config --show`.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1] + " Defaults of every setting: `agentloop config --show`.",
     )
 
     def h(dest: str, text: str) -> str:
