@@ -46,7 +46,9 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform()}
+    # The load average says how much of the machine other processes took while this ran.
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform(),
+            "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}
 
 
 def versions() -> dict[str, str]:
