@@ -170,7 +170,7 @@ def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_referen
     # Every worker dispatch happened while the driver's lifecycle was AWAKE (inside a gate window).
     windows = rt.lifecycle.gate_windows
     assert len(windows) == 2 and all(len(w) == 2 for w in windows)
-    stats = on_portal(rt, rt.worker_stats)
+    stats = on_portal(rt, lambda: rt.worker_stats(times=True))
     dispatches = [t for s in stats for t in s["dispatch_times"]]
     assert len(dispatches) == 2 * 6 * 2
     assert all(any(lo <= t <= hi for lo, hi in windows) for t in dispatches)

@@ -152,7 +152,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
             print(json.dumps(steps[-1]), flush=True)
         out["steps"] = steps
         windows = rt.lifecycle.gate_windows
-        stats = await rt.worker_stats()
+        stats = await rt.worker_stats(times=True)
         dispatches = [t for s in stats for t in s["dispatch_times"]]
         out["worker_dispatches"] = len(dispatches)
         expected = args.prompts * args.n

@@ -178,8 +178,8 @@ class WorkerPool:
     async def remove_server(self, url: str, reason: str) -> None:
         await self._each(lambda h: h.remove_server.remote(url, reason))
 
-    async def stats(self) -> list[dict[str, Any]]:
-        return [s for s in await self._each(lambda h: h.stats.remote()) if s is not None]
+    async def stats(self, *, times: bool = False) -> list[dict[str, Any]]:
+        return [s for s in await self._each(lambda h: h.stats.remote(times)) if s is not None]
 
     # ------------------------------------------------------------------ dispatch
     async def _acquire(self) -> _Worker:

@@ -39,7 +39,7 @@ from ..config import RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
-from ..runtime import Runtime, RuntimeError_, StepResult
+from ..runtime import Runtime, RuntimeError_
 from ..scheduler import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
@@ -328,9 +328,10 @@ class RayRuntime(Runtime):
                 await self._server_removed(client.url, f"failed the liveness probe ({error})")
 
     # ------------------------------------------------------------------ introspection
-    async def worker_stats(self) -> list[dict[str, Any]]:
-        """Each live worker's gate state, counters and the times of its dispatches and gate changes."""
-        return await self.pool.stats() if self.pool is not None else []
+    async def worker_stats(self, *, times: bool = False) -> list[dict[str, Any]]:
+        """Each live worker's gate state and counters; `times=True` adds the wall-clock times of its
+        recent generate dispatches and gate changes (to check them against `lifecycle.gate_windows`)."""
+        return await self.pool.stats(times=times) if self.pool is not None else []
 
     async def engine_info(self) -> list[dict[str, Any]]:
         """Where each engine server actor runs (node, GPUs, pid); empty when attached by URL."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import anyio
@@ -43,8 +44,8 @@ class WorkerGate(Lifecycle):
         super().__init__(clients, awake=False, **kwargs)
         for s in self._servers.values():
             s.released = set()  # memory is the driver's business; the gate only tracks AWAKE or not
-        self.opened_at: list[float] = []
-        self.closed_at: list[float] = []
+        self.opened_at: deque[float] = deque(maxlen=1000)
+        self.closed_at: deque[float] = deque(maxlen=1000)
 
     def open(self, weight_version: str | None) -> None:
         """The driver's lifecycle is AWAKE with `weight_version`: let generations through."""
@@ -143,7 +144,8 @@ class RolloutWorker:
         ecfg, scfg = self.config.engine, self.config.scheduler
         local = Runtime(self.config)  # not started: only its client and default-tools recipes are used
         self.clients = [local._client(u) for u in urls]
-        self.dispatch_times: list[float] = []
+        #: Wall-clock time of each recent generate dispatch (for checks against the driver's AWAKE windows).
+        self.dispatch_times: deque[float] = deque(maxlen=100_000)
         self.gate = WorkerGate(self.clients, settle_timeout=ecfg.settle_timeout,
                                on_generate=lambda url, state: self.dispatch_times.append(time.time()))
         self.router = PinnedRouter(
@@ -214,18 +216,19 @@ class RolloutWorker:
     async def stop_trajectory(self, uid: str, reason: str) -> None:
         await self.router.stop_trajectory(uid, reason)
 
-    async def stats(self) -> dict[str, Any]:
-        return {
+    async def stats(self, times: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "worker": self.index,
             "jobs_run": self.jobs_run,
             "gate": self.gate.state.value,
             "in_flight": self.gate.in_flight(),
             "generations_outside_awake": self.gate.generations_outside_awake,
-            "dispatch_times": list(self.dispatch_times),
-            "gate_opened_at": list(self.gate.opened_at),
-            "gate_closed_at": list(self.gate.closed_at),
             "servers": self.gate.urls,
         }
+        if times:
+            out.update(dispatch_times=list(self.dispatch_times), gate_opened_at=list(self.gate.opened_at),
+                       gate_closed_at=list(self.gate.closed_at))
+        return out
 
     async def shutdown(self) -> None:
         for c in self.clients:
