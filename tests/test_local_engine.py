@@ -338,3 +338,23 @@ async def test_max_new_tokens_zero_scores_the_prompt(local_engine: str, ref_mode
     got = out["meta_info"]["input_token_logprobs"]
     assert [x[1] for x in got] == PROMPT[3:]
     assert [x[0] for x in got] == pytest.approx([float(lps[j - 1, PROMPT[j]]) for j in range(3, len(PROMPT))], abs=1e-4)
+
+
+async def test_max_running_requests_queues_the_rest(start_local_engine, random_model_dir: Path) -> None:
+    url = start_local_engine(random_model_dir, ["--max-running-requests", "2", "--weight-version", "v0"])
+    async with SGLangClient(url) as client:
+        outs = await asyncio.gather(*(client.generate(PROMPT[: 5 + i], GREEDY) for i in range(5)))
+        assert all(len(o.output_ids) == GREEDY.max_new_tokens and o.weight_version == "v0" for o in outs)
+        s = await stats(client)
+        assert s["max_batch_size_seen"] == 2 and s["num_waiting"] == 0
+
+        # A weight update with abort_all_requests ends in-flight requests first (SGLang's flag).
+        task = asyncio.create_task(client.generate(PROMPT, GREEDY.replace(max_new_tokens=3000)))
+        try:
+            await wait_running(client)
+            res = await client.update_weights_from_disk(str(random_model_dir), weight_version="v1", abort_all_requests=True)
+            out = await asyncio.wait_for(task, 10)
+        finally:
+            task.cancel()
+        assert res["success"] and out.aborted
+        assert (await client.generate(PROMPT, GREEDY)).weight_version == "v1"
