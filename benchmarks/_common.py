@@ -110,6 +110,18 @@ def _jsonable(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def sigterm_as_interrupt() -> None:
+    """Let SIGTERM (e.g. `timeout` in tools/gpu_benchmarks.sh) end a benchmark like Ctrl-C does: the event
+    loop cancels its tasks, so `finally` blocks run — the attached server is woken up again for the next
+    benchmark and the engine we started is stopped."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def median(xs: Sequence[float]) -> float:
     return float(np.median(np.asarray(xs, dtype=float))) if len(xs) else float("nan")
 
@@ -369,7 +381,7 @@ class BusySampler:
     CPU engine we started: its process's CPU seconds (utime+stime from /proc) per wall second (its
     model runs on `--num-threads` threads, so 1.0 = one thread always computing). GPU: the mean
     `utilization.gpu` of `nvidia-smi` (the fraction of time a kernel ran) sampled every 100 ms.
-    Neither is available: `result()` is empty.
+    Also this (client) process's CPU seconds per wall second.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -377,7 +389,7 @@ class BusySampler:
         self._proc: subprocess.Popen[str] | None = None
         self._samples: list[float] = []
         self._thread: threading.Thread | None = None
-        self._cpu0 = self._t0 = 0.0
+        self._cpu0 = self._t0 = self._own0 = 0.0
         self._result: dict[str, float] = {}
 
     def _cpu_seconds(self) -> float | None:
@@ -391,6 +403,7 @@ class BusySampler:
 
     def __enter__(self) -> "BusySampler":
         self._t0 = time.perf_counter()
+        self._own0 = time.process_time()
         cpu = self._cpu_seconds()
         self._cpu0 = cpu if cpu is not None else -1.0
         if self.engine.kind == "sglang":
@@ -413,6 +426,8 @@ class BusySampler:
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
+        # This process's own CPU time: on a small shared machine the client competes with the engine.
+        self._result["client_cpu_busy_fraction"] = r4((time.process_time() - self._own0) / max(wall, 1e-9))
         cpu = self._cpu_seconds()
         if cpu is not None and self._cpu0 >= 0:
             self._result["engine_cpu_busy_fraction"] = r4((cpu - self._cpu0) / max(wall, 1e-9))

@@ -3,8 +3,10 @@ waiting for every trajectory.
 
 Each group has n members with their own heavy-tailed multi-turn `replay` workload (a lognormal
 per-trajectory length factor with a large sigma: a few trajectories are many times longer than the
-median), drawn from one seeded stream of groups that both ways consume in order. `--steps` steps, each
-a full `Runtime.step` (staged wake-up with new weights → rollout → sleep):
+median), drawn from one seeded stream of groups that both ways consume in order. `--steps` steps of
+each way, interleaved (wait_all step k and oversample step k, alternating which goes first, so the
+machine's background load hits both alike), each a full `Runtime.step` (staged wake-up with new
+weights → rollout → sleep):
 
 - **wait_all**: G fresh groups per step; the step ends when every trajectory has finished;
 - **oversample**: ceil(G x factor) groups per step — the previous step's carry-over (aborted members
@@ -26,8 +28,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import anyio
 
@@ -40,6 +43,7 @@ from _common import (  # noqa: E402
     open_engine,
     pyplot,
     r4,
+    sigterm_as_interrupt,
     result_paths,
     runtime_config,
     title_suffix,
@@ -64,8 +68,10 @@ def group_stream(spec: WorkloadSpec, n: int, tag: str) -> Iterator[list[Sample]]
                for i in range(n)]
 
 
-async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: WorkloadSpec, weights_sd: dict[str, Any],
-                   first_version: int) -> list[dict[str, Any]]:
+async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: WorkloadSpec,
+                   weights_sd: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """One way's steps, one per `__anext__` (the caller interleaves the two ways step by step, so a change
+    in the machine's background load hits both alike)."""
     stream = group_stream(spec, args.group_size, mode)
     per_step = args.target_groups if mode == "wait_all" else math.ceil(args.target_groups * args.oversample)
     carry: list[Sample] = []
@@ -75,7 +81,10 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
         fresh = [m for _ in range(per_step - carried_groups) for m in next(stream)]
         samples = carry + fresh
         over = {"target_groups": args.target_groups, "partial_rollout": True} if mode == "oversample" else {}
-        res = await rt.step(samples, Weights(state_dict=weights_sd, version=f"v{first_version + k}"), **over)
+        emitted: list[float] = []
+        t_call = time.monotonic()
+        res = await rt.step(samples, Weights(state_dict=weights_sd, version=f"{mode}-v{k}"),
+                            on_trajectory=lambda t: emitted.append(time.monotonic()), **over)
         m = res.metrics
         groups: dict[str, list[Any]] = {}
         for t in res.trajectories:
@@ -89,10 +98,14 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
             raise RuntimeError(f"{mode} step {k}: {len(complete)} complete groups of {len(groups)} returned, "
                                f"wanted {args.target_groups}")
         tokens = sum(sum(t.response_mask) for t in res.trajectories)
+        # When the last returned trajectory was handed over, from the start of the rollout phase: the rest of
+        # that phase is the early stop (aborting the others and waiting for them to return).
+        to_target = max(emitted) - (t_call + m["wake_up_seconds"]) if emitted else float("nan")
         steps.append({
             "step": k, "samples_in": len(samples), "groups_in": carried_groups + len(fresh) // args.group_size,
             "carried_in": len(carry), "step_s": r4(m["step_seconds"]), "rollout_s": r4(m["rollout_seconds"]),
             "wake_up_s": r4(m["wake_up_seconds"]), "sleep_s": r4(m["sleep_seconds"]),
+            "last_returned_done_s": r4(to_target), "stop_tail_s": r4(m["rollout_seconds"] - to_target),
             "complete_groups": len(complete), "trajectories_returned": len(res.trajectories),
             "carried_out": len(res.carry_over), "returned_sampled_tokens": int(tokens),
             "returned_tokens_per_s": r4(tokens / m["step_seconds"]),
@@ -102,7 +115,7 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
         print(f"{mode:10s} step {k}: {steps[-1]['step_s']:7.3f}s  ({len(samples)} trajectories in, "
               f"{len(res.trajectories)} returned, {len(res.carry_over)} carried over)", flush=True)
         carry = list(res.carry_over)
-    return steps
+        yield steps[-1]
 
 
 async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -129,10 +142,13 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                 await rt.step([m for g in group_stream(warm, 2, "warm") for m in g], Weights(state_dict=weights_sd, version="v0"))
                 modes: dict[str, list[dict[str, Any]]] = {}
                 out["steps"] = modes
-                order = ("wait_all", "oversample") if args.seed % 2 == 0 else ("oversample", "wait_all")
-                for i, mode in enumerate(order):
-                    modes[mode] = await run_mode(rt, mode, args, spec, weights_sd, 1 + i * args.steps)
+                ways = {mode: run_mode(rt, mode, args, spec, weights_sd) for mode in ("wait_all", "oversample")}
+                for k in range(args.steps):
+                    for mode in (("wait_all", "oversample") if k % 2 == 0 else ("oversample", "wait_all")):
+                        modes.setdefault(mode, []).append(await ways[mode].__anext__())
                     save(out)
+                for way in ways.values():
+                    await way.aclose()
             finally:
                 with anyio.CancelScope(shield=True):  # leave the server awake, as it was found
                     await rt.lifecycle.wake_up(Weights(state_dict=weights_sd, version="final"))  # type: ignore[union-attr]
@@ -144,8 +160,10 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
             "mean_sleep_s": r4(sum(s["sleep_s"] for s in steps) / len(steps)),
             "returned_tokens_per_s": r4(sum(s["returned_sampled_tokens"] for s in steps) / sum(s["step_s"] for s in steps)),
             "trajectories_mixing_versions": sum(s["returned_mixing_weight_versions"] for s in steps),
+            "mean_stop_tail_s": r4(sum(s["stop_tail_s"] for s in steps) / len(steps)),
         }
     summary["step_time_reduction"] = r4(1 - summary["oversample"]["mean_step_s"] / summary["wait_all"]["mean_step_s"])
+    summary["first_step_time_reduction"] = r4(1 - modes["oversample"][0]["step_s"] / modes["wait_all"][0]["step_s"])
     summary["steady_state_step_time_reduction"] = r4(1 - _mean_after_first(modes["oversample"]) / _mean_after_first(modes["wait_all"])) \
         if args.steps > 1 else None
     out["summary"] = summary
@@ -193,13 +211,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--target-groups", type=int, default=8)
     w.add_argument("--group-size", type=int, default=4)
     w.add_argument("--oversample", type=float, default=1.5, help="groups in flight per step = ceil(target x this)")
-    w.add_argument("--steps", type=int, default=4)
+    w.add_argument("--steps", type=int, default=6)
     w.add_argument("--turns", type=int, default=2)
     w.add_argument("--prompt-tokens", type=int, default=32)
-    w.add_argument("--gen-median", type=float, default=24.0)
+    w.add_argument("--gen-median", type=float, default=16.0)
     w.add_argument("--gen-sigma", type=float, default=0.4)
-    w.add_argument("--traj-sigma", type=float, default=1.0, help="lognormal sigma of a trajectory's length factor")
-    w.add_argument("--gen-max", type=int, default=384)
+    w.add_argument("--traj-sigma", type=float, default=1.5, help="lognormal sigma of a trajectory's length factor")
+    w.add_argument("--gen-max", type=int, default=512)
     w.add_argument("--tool-latency-mean", type=float, default=0.02)
     w.add_argument("--tool-result-median", type=float, default=8.0)
     w.add_argument("--seed", type=int, default=0)
@@ -213,11 +231,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    sigterm_as_interrupt()
     report = header("long_tail", "benchmarks/long_tail.py", argv, args)
     report["definitions"] = {
         "step_s": "Runtime.step seconds: staged wake-up with new weights + rollout + sleep (which aborts stragglers)",
         "step_time_reduction": "1 - mean oversample step seconds / mean wait_all step seconds",
         "steady_state_step_time_reduction": "the same over steps after the first (carry-over in play)",
+        "last_returned_done_s": "seconds from the rollout's start until the last returned trajectory was handed over "
+                                "(on_trajectory); stop_tail_s = rollout seconds - that (the early stop's cost)",
     }
     json_path, png_path = result_paths(args, "long_tail")
 
