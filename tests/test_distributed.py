@@ -8,6 +8,8 @@ What is shown:
   the driver's AWAKE window (the engines also refuse generation while asleep);
 - work is handed out as workers free up (a worker stuck with long trajectories gets fewer), and the
   members of one GRPO group run on different workers;
+- over-sampling stops the unfinished trajectories on whichever worker runs them and carries them
+  over; they finish next step;
 - a sleep in the middle of a step drains every worker before memory is released, and the aborted
   trajectories continue next step;
 - `ray.kill` of a worker mid-step loses nothing: its trajectories re-run elsewhere, the step result
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
@@ -102,9 +105,14 @@ def local_reference(model_dir: Path) -> dict[str, list[Trajectory]]:
     """The same samples through local mode (no Ray), once per module."""
     out = {}
     with Runtime(config(model_dir, 1)) as local:
-        for prefix in ("a", "b"):
-            out[prefix] = local.step_sync(replay_samples(prefix, 3)).trajectories
+        for prefix, weights in step_weights(model_dir):
+            out[prefix] = local.step_sync(replay_samples(prefix, 3), weights).trajectories
     return out
+
+
+def step_weights(model_dir: Path) -> list[tuple[str, Any]]:
+    """Step a reloads the weights from disk, step b loads them as tensors (a trainer's state dict)."""
+    return [("a", None), ("b", load_file(str(model_dir / "model.safetensors")))]
 
 
 # ---------------------------------------------------------------------- the gate, in-process
@@ -143,9 +151,9 @@ async def test_worker_gate_follows_the_driver_and_never_drives_engines() -> None
 def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_reference: dict[str, list[Trajectory]], model_dir: Path) -> None:
     assert rt.lifecycle.state is EngineState.SLEEPING and len(rt.lifecycle.urls) == 2
     results: list[StepResult] = []
-    for prefix in ("a", "b"):
+    for prefix, weights in step_weights(model_dir):
         first = len(rt.lifecycle.records)
-        res = rt.step_sync(replay_samples(prefix, 3))
+        res = rt.step_sync(replay_samples(prefix, 3), weights)
         results.append(res)
         assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "wake_up"] == WAKE
         assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "sleep"] == SLEEP
@@ -167,6 +175,8 @@ def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_referen
             with pytest.raises(EngineError, match="(?i)releas"):
                 on_portal(rt, lambda: client.generate([5, 6, 7], SamplingParams(max_new_tokens=2)))
             on_portal(rt, client.close)
+    assert results[0].weight_version != results[1].weight_version  # the tensors were loaded as a new version
+    assert {t.weight_version for t in results[1].trajectories} == {results[1].weight_version}
     # Every worker dispatch happened while the driver's lifecycle was AWAKE (inside a gate window).
     windows = rt.lifecycle.gate_windows
     assert len(windows) == 2 and all(len(w) == 2 for w in windows)
@@ -226,6 +236,25 @@ def test_sleep_mid_step_drains_every_worker_then_resumes(rt: RayRuntime) -> None
         t.check_invariants()
         p = partial[t.uid]
         assert t.response_ids[: len(p.response_ids)] == p.response_ids and len(t.response_ids) == 160 + 2 + 4
+
+
+def test_oversampling_stops_on_every_worker_and_carries_over(rt: RayRuntime) -> None:
+    quick = replay_samples("q", 2, gen=4)
+    slow = replay_samples("z", 2, turns=3, gen=150)
+    res = rt.step_sync(quick + slow, target_groups=2)
+    assert sorted({t.group_id for t in res.trajectories}) == ["q0", "q1"]
+    assert len(res.trajectories) == 4 and all(t.status == "completed" for t in res.trajectories)
+    assert sorted(c.uid for c in res.carry_over) == ["z0_0", "z0_1", "z1_0", "z1_1"]
+    partial = {c.uid: c.resume_from for c in res.carry_over}
+    assert all(p is not None and p.status == "aborted" for p in partial.values())
+    assert all(s["in_flight"] == 0 for s in on_portal(rt, rt.worker_stats))  # the stops reached the workers
+    res2 = rt.step_sync(res.carry_over)
+    assert sorted(t.uid for t in res2.trajectories) == sorted(partial)
+    for t in res2.trajectories:
+        t.check_invariants()
+        p = partial[t.uid]
+        assert t.status == "completed" and len(t.response_ids) == 3 * 150 + 2 * 3
+        assert t.response_ids[: len(p.response_ids)] == p.response_ids
 
 
 def test_killing_a_worker_mid_step_loses_nothing(rt: RayRuntime) -> None:

@@ -245,14 +245,30 @@ class WorkerPool:
                 pass  # the run itself reports the death
 
         error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(forward_stop)
-            try:
-                with anyio.fail_after(timeout):
-                    result = await ref
-            except Exception as e:  # raised below, outside the task group, so callers see it unwrapped
-                error = e
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(forward_stop)
+                try:
+                    with anyio.fail_after(timeout):
+                        result = await ref
+                except Exception as e:  # raised below, outside the task group, so callers see it unwrapped
+                    error = e
+                tg.cancel_scope.cancel()
+        except anyio.get_cancelled_exc_class():
+            # The driver gave up on this trajectory (its step was cancelled): stop it on the worker too,
+            # or it would wait at the closed gate and resume, orphaned, when the next step opens it.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                try:
+                    await w.handle.stop_trajectory.remote(job.uid, "cancelled by the driver")
+                except RayActorError:
+                    pass
+            raise
+        if isinstance(error, TimeoutError):
+            with anyio.move_on_after(5):
+                try:
+                    await w.handle.stop_trajectory.remote(job.uid, f"no answer from the worker within {timeout}s")
+                except RayActorError:
+                    pass
         if error is not None:
             raise error
         return result
