@@ -101,10 +101,15 @@ def runner(random_model_dir: Path) -> ModelRunner:
 def test_batch_kv_rows_match_unbatched_forward(runner: ModelRunner) -> None:
     seqs = [[5, 6, 7, 8, 9, 10], [20, 21], [30, 31, 32, 33]]
     kv, last = BatchKV(), []
-    for s in seqs:
-        logits, cache = runner.prefill(s)
-        kv.add(cache, len(s))
-        last.append(int(logits.argmax()))
+    logits, cache, mask = runner.prefill_batch(seqs[:2])  # padded prefill of two rows
+    for i, s in enumerate(seqs[:2]):
+        alone = runner.prefill(s)[0]
+        torch.testing.assert_close(logits[i, -1], alone, atol=1e-4, rtol=0)
+        last.append(int(alone.argmax()))
+    kv.merge(BatchKV.from_cache(cache, mask))
+    logits, cache = runner.prefill(seqs[2])  # a later join
+    kv.merge(BatchKV.from_cache(cache, torch.ones(1, len(seqs[2]), dtype=torch.long)))
+    last.append(int(logits.argmax()))
     assert kv.padded_len == 6 and kv.real_lengths().tolist() == [6, 2, 4]
     logits = runner.decode(kv, last)
     for i, s in enumerate(seqs):

@@ -46,6 +46,7 @@ class LocalEngine:
         seed: int = 0,
         original_logprob: bool = False,
         num_threads: int | None = None,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         self.model_path = str(Path(model_dir))
         self.runner = ModelRunner(model_dir, num_threads=num_threads)
@@ -56,6 +57,7 @@ class LocalEngine:
             max_running_requests=max_running_requests,
             context_length=context_length,
             original_logprob=original_logprob,
+            max_prefill_tokens=max_prefill_tokens,
         )
         self.scheduler.weight_version = weight_version
         self.seed = seed

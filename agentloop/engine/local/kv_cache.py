@@ -4,8 +4,8 @@ Continuous batching needs requests of different lengths to share one forward pas
 all running rows left-padded to a common length P (`keys[l]`, `values[l]`: [B, kv_heads, P, dim])
 with a 2-D attention mask [B, P] (0 on padding), which is exactly what a transformers causal LM
 accepts with explicit `position_ids`. In steady state a decode step appends in place (no copying);
-only when the batch changes (a request joins after its prefill, or finishes/aborts) are rows
-re-padded and concatenated (`add`) or selected (`keep`), and the common left padding trimmed.
+only when the batch changes (requests join after their prefill, or finish/abort) are rows re-padded
+and concatenated (`merge`) or selected (`keep`), and the common left padding trimmed.
 """
 
 from __future__ import annotations
@@ -48,18 +48,22 @@ class BatchKV:
         ones = torch.ones(self.batch_size, 1, dtype=self.mask.dtype)
         self.mask = torch.cat([self.mask, ones], dim=1)
 
-    def add(self, cache: DynamicCache, length: int) -> None:
-        """Append one request's (unpadded, batch-1) prefill cache as a new last row."""
-        new_k = [layer.keys for layer in cache.layers]
-        new_v = [layer.values for layer in cache.layers]
-        new_mask = torch.ones(1, length, dtype=torch.long)
-        if self.batch_size == 0:
-            self.keys, self.values, self.mask = new_k, new_v, new_mask
+    @classmethod
+    def from_cache(cls, cache: DynamicCache, mask: torch.Tensor) -> "BatchKV":
+        """Wrap a (left-padded) prefill cache and its [B, P] attention mask."""
+        return cls(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers], mask=mask)
+
+    def merge(self, other: "BatchKV") -> None:
+        """Append `other`'s rows after ours, re-padding the shorter side on the left."""
+        if other.batch_size == 0:
             return
-        target = max(self.padded_len, length)
-        self.keys = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.keys, new_k)]
-        self.values = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.values, new_v)]
-        self.mask = torch.cat([_lpad_mask(self.mask, target), _lpad_mask(new_mask, target)], dim=0)
+        if self.batch_size == 0:
+            self.keys, self.values, self.mask = other.keys, other.values, other.mask
+            return
+        target = max(self.padded_len, other.padded_len)
+        self.keys = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.values, other.values)]
+        self.mask = torch.cat([_lpad_mask(self.mask, target), _lpad_mask(other.mask, target)], dim=0)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order) and trim padding no remaining row needs."""

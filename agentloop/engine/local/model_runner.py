@@ -2,9 +2,10 @@
 
 `ModelRunner` loads any HF-format causal LM folder (float32, SDPA attention) and exposes two
 forward passes, both under `torch.inference_mode`:
-- `prefill(tokens)`: one request's whole known sequence (prompt, plus tokens already generated when
-  a retracted request comes back) → float32 logits of the last position (or of every position when
-  prompt logprobs are asked for) and that request's `DynamicCache`.
+- `prefill_batch(seqs)`: the requests being admitted, each with its whole known sequence (prompt,
+  plus tokens already generated when a retracted request comes back), left-padded into one forward
+  → float32 logits of the last position (or of every position when prompt logprobs are asked for),
+  the padded `DynamicCache` and its attention mask. `prefill(tokens)` is the one-sequence case.
 - `decode(kv, last_tokens)`: one new token for every running row at once, using the left-padded
   `BatchKV` with its attention mask and per-row `position_ids`, so the batch's outputs equal the
   rows' unbatched forward passes up to float rounding.
@@ -61,19 +62,37 @@ class ModelRunner:
     def context_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
 
-    @torch.inference_mode()
     def prefill(self, tokens: list[int], *, all_logits: bool = False) -> tuple[torch.Tensor, DynamicCache]:
-        """Run one sequence; return logits ([L, V] if all_logits else [V]) and its cache."""
-        input_ids = torch.tensor([tokens], dtype=torch.long)
+        """One sequence: logits ([L, V] if all_logits else [V]) and its unpadded cache."""
+        logits, cache, _ = self.prefill_batch([tokens], all_logits=all_logits)
+        return (logits[0] if all_logits else logits[0, -1]), cache
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, seqs: list[list[int]], *, all_logits: bool = False
+    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Several sequences at once, left-padded to the longest.
+
+        Returns float32 logits [B, P, V] (all positions) or [B, 1, V] (last position only), the
+        cache (rows left-padded like the input) and the [B, P] attention mask.
+        """
+        longest = max(len(s) for s in seqs)
+        input_ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            input_ids[i, longest - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, longest - len(s):] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
             input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
             **{self._cache_kw: cache},
         )
-        logits = out.logits[0].float()
-        return (logits if all_logits else logits[-1]), cache
+        return out.logits.float(), cache, mask
 
     @torch.inference_mode()
     def decode(self, kv: BatchKV, last_tokens: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from .sampling import RequestSampling
 Notifier = Callable[[int, bool], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests are never 'equal'
 class Request:
     rid: str
     input_ids: list[int]

@@ -19,7 +19,8 @@ and `DynamicCache`, and uses the manager for nothing.
 Each iteration of the worker thread: run queued control commands (submit, abort, pause, memory,
 weight updates — they all execute here, between forward passes, so they never race a forward);
 then, unless paused or memory is released, admit waiting requests up to `max_running_requests`
-(each is prefilled alone and samples its first token), and run ONE decode step for every running
+(prefilled together in one left-padded forward of at most `max_prefill_tokens` padded tokens; each
+samples its first token), and run ONE decode step for every running
 request together (`ModelRunner.decode` over the left-padded `BatchKV`). New requests therefore
 join the next decode step of a batch already in flight — continuous batching — and throughput
 rises with concurrency because a decode step costs about the same for 1 or 16 rows on this scale.
@@ -62,6 +63,7 @@ class SchedulerStats:
     decode_steps: int = 0
     decode_rows: int = 0
     prefills: int = 0
+    prefill_batches: int = 0
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
@@ -84,8 +86,10 @@ class Scheduler:
         max_running_requests: int = 64,
         context_length: int | None = None,
         original_logprob: bool = False,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         self.runner = runner
+        self.max_prefill_tokens = max_prefill_tokens
         self.memory = memory
         self.max_running_requests = max_running_requests
         self.context_length = context_length or runner.context_length
@@ -227,33 +231,54 @@ class Scheduler:
         self._drop_finished_rows()
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running_requests:
-            req = self.waiting.popleft()
+        """Prefill waiting requests (together, within the token budget) and add them to the batch."""
+        group: list[Request] = []
+        longest = 0
+        while self.waiting and len(self.running) + len(group) < self.max_running_requests:
+            req = self.waiting[0]
             if req.finished:
+                self.waiting.popleft()
                 continue
-            try:
-                self._prefill(req)
-            except Exception as e:  # this request fails; the batch and the server go on
-                log.error("prefill of %s failed:\n%s", req.rid, traceback.format_exc())
-                req.fail(500, f"prefill failed: {type(e).__name__}: {e}")
-
-    def _prefill(self, req: Request) -> None:
-        """Run the request's known tokens, sample its next token, and add it to the batch."""
-        want_input_lp = req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
-        fed = req.all_tokens  # prompt, plus tokens generated before a retraction
-        logits, cache = self.runner.prefill(fed, all_logits=want_input_lp)
-        self.stats.prefills += 1
-        if want_input_lp:
-            self._input_logprobs(req, logits)
-            logits = logits[-1]
-        if req.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): SGLang returns no tokens
-            self._finish(req, {"type": "length", "length": 0})
+            n = len(req.all_tokens)
+            # Padded size of the group's forward; one request alone may exceed the budget.
+            if group and max(longest, n) * (len(group) + 1) > self.max_prefill_tokens:
+                break
+            group.append(self.waiting.popleft())
+            longest = max(longest, n)
+        if not group:
             return
-        self._sample_into([req], logits.unsqueeze(0))
-        if not req.finished:
-            # The cache covers `fed`; the token just sampled is fed by the next decode step.
-            self.running.append(req)
-            self.kv.add(cache, len(fed))
+        try:
+            self._prefill(group)
+        except Exception as e:  # these requests fail; the running batch and the server go on
+            log.error("prefill of %s failed:\n%s", [r.rid for r in group], traceback.format_exc())
+            for r in group:
+                if not any(r is x for x in self.running):
+                    r.fail(500, f"prefill failed: {type(e).__name__}: {e}")
+
+    def _prefill(self, group: list[Request]) -> None:
+        """One padded forward over the group's known tokens; sample each one's next token."""
+        fed = [r.all_tokens for r in group]  # prompt, plus tokens generated before a retraction
+        want_lp = [r.return_logprob and r.logprob_start_len >= 0 and r.input_token_logprobs is None for r in group]
+        logits, cache, mask = self.runner.prefill_batch(fed, all_logits=any(want_lp))
+        self.stats.prefills += len(group)
+        self.stats.prefill_batches += 1
+        for i, r in enumerate(group):
+            if want_lp[i]:
+                self._input_logprobs(r, logits[i, logits.shape[1] - len(fed[i]):])
+        last = logits[:, -1]
+        rows = [i for i, r in enumerate(group) if r.max_new_tokens > 0]
+        for i, r in enumerate(group):
+            if r.max_new_tokens <= 0:  # scoring only (max_new_tokens=0): SGLang returns no tokens
+                self._finish(r, {"type": "length", "length": 0})
+        if rows:
+            self._sample_into([group[i] for i in rows], last[rows])
+        keep = [i for i in rows if not group[i].finished]
+        if keep:
+            # The cache covers `fed`; each token just sampled is fed by the next decode step.
+            block = BatchKV.from_cache(cache, mask)
+            block.keep(keep)
+            self.kv.merge(block)
+            self.running.extend(group[i] for i in keep)
 
     def _sample_into(self, rows: list[Request], logits: Any) -> None:
         banned = [self._banned(r) for r in rows]

@@ -369,6 +369,7 @@ async def server_info(request: web.Request) -> web.Response:
         "model_path": engine.model_path,
         "context_length": engine.context_length,
         "max_running_requests": engine.scheduler.max_running_requests,
+        "max_prefill_tokens": engine.scheduler.max_prefill_tokens,
         "vocab_size": engine.vocab_size,
         "eos_token_ids": engine.runner.eos_token_ids,
         "weight_version": engine.weight_version,
@@ -434,6 +435,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="padded tokens of one batched prefill forward (a longer single prompt still runs alone)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -467,6 +470,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         original_logprob=args.return_original_logprob,
         num_threads=args.num_threads,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     engine.start()
     server_args = {
