@@ -128,6 +128,9 @@ class WorkerPool:
         if self.workers.get(w.index) is not w:
             return  # another trajectory already reported this death
         del self.workers[w.index]
+        # Also for a worker that is only unreachable (ActorUnavailableError): once its trajectories
+        # are re-run elsewhere it must not come back and run them a second time.
+        ray.kill(w.handle, no_restart=True)
         self.events.worker_deaths.append({"worker": w.index, "time": time.time(), "error": _short(error), "first_seen_by": uid})
         log.warning("rollout worker %d died (%s); its unfinished trajectories run again elsewhere", w.index, _short(error))
         if self.replacements < self.max_replacements:
