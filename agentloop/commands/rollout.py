@@ -182,6 +182,7 @@ class _Run:
     started: float = field(default_factory=time.time)
     written: list[Path] = field(default_factory=list)
     runtime: Any = None
+    in_step: bool = False
 
 
 def _rollout_window(records: Sequence[StageRecord]) -> float | None:
@@ -226,9 +227,11 @@ async def _run_steps(run: _Run) -> None:
                 run.stream.write(traj, step)
                 run.progress.trajectory_done(traj)
 
+            run.in_step = True
             try:
                 result = await runtime.step(prompts, on_trajectory=done)
             finally:
+                run.in_step = False
                 rec.seconds = time.monotonic() - t0
                 rec.records = list(runtime.lifecycle.records[first_record:])
             rec.metrics = dict(result.metrics)
@@ -238,13 +241,15 @@ async def _run_steps(run: _Run) -> None:
             for t in result.trajectories:
                 if id(t) not in seen:
                     await done(t)
-            if step == cfg.steps:
+            if step == cfg.steps or run.interrupted:
                 # Partial trajectories of unfinished groups would be continued next step; there is
                 # none, so they are written as they are (aborted) rather than dropped.
                 for s in carry:
                     if s.resume_from is not None:
                         await done(s.resume_from)
             run.progress.end_step(_step_summary(rec))
+            if run.interrupted:
+                break
     finally:
         with anyio.CancelScope(shield=True):
             await runtime.stop()
@@ -316,6 +321,24 @@ def _engine_failure(e: BaseException) -> str | None:
     return "; ".join(dict.fromkeys(messages)) or None
 
 
+#: Seconds a first Ctrl-C waits for the running trajectories to return their partial results.
+INTERRUPT_GRACE = 30.0
+
+
+async def _graceful_stop(run: _Run, work: anyio.CancelScope) -> None:
+    """First interrupt: stop the step's trajectories through the scheduler (their in-flight requests
+    are aborted on the servers, the partial trajectories come back and are written as `aborted`),
+    and let the step end its own way (sleep). Outside a step, or past the grace time, cancel."""
+    deadline = time.monotonic() + INTERRUPT_GRACE
+    while run.in_step and time.monotonic() < deadline:
+        scheduler = getattr(run.runtime, "scheduler", None)
+        if scheduler is not None:
+            # Repeated: a signal during the wake-up lands before the step's scheduler run starts.
+            scheduler.stop("interrupted")
+        await anyio.sleep(0.2)
+    work.cancel()
+
+
 async def _force_stop(run: _Run) -> None:
     """Second interrupt: stop the engine processes this run started, now. The graceful sleep that
     may be waiting on them then fails fast, and nothing is left running behind us."""
@@ -340,8 +363,8 @@ async def _main(run: _Run) -> int:
                     if count == 1:
                         run.interrupted = True
                         run.progress.message(f"{name}: stopping (aborting in-flight requests, putting the engines to "
-                                             "sleep, writing finished trajectories); again to hurry ...")
-                        work.cancel()
+                                             "sleep, writing finished and partial trajectories); again to hurry ...")
+                        tg.start_soon(_graceful_stop, run, work)
                     elif count == 2:
                         run.progress.message(f"{name}: stopping the engines this run started now; again to exit at once")
                         tg.start_soon(_force_stop, run)
