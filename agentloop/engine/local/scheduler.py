@@ -38,6 +38,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -68,10 +69,13 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int = 0
+    #: Wall seconds the worker spent in prefill/decode steps (benchmarks: tokens per busy second).
+    busy_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["mean_decode_batch_size"] = round(self.decode_rows / self.decode_steps, 3) if self.decode_steps else 0.0
+        d["busy_seconds"] = round(self.busy_seconds, 4)
         return d
 
 
@@ -189,6 +193,7 @@ class Scheduler:
             self._wake.clear()
             self._run_commands()
             if self._can_step():
+                t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as e:  # a failed forward must not kill the server
@@ -197,6 +202,8 @@ class Scheduler:
                         r.fail(500, f"engine step failed: {type(e).__name__}: {e}")
                     self.running = []
                     self.kv.clear()
+                finally:
+                    self.stats.busy_seconds += time.perf_counter() - t0
             else:
                 self._wake.wait(0.5)
 
