@@ -39,8 +39,8 @@ _TRAINING_TEXT = [
 ]
 
 
-def _build_tokenizer(out_dir: Path, vocab_target: int) -> int:
-    """Train a small byte-level BPE tokenizer, save it with a chat template; return its vocab size."""
+def _build_tokenizer(out_dir: Path, vocab_target: int) -> None:
+    """Train a small byte-level BPE tokenizer and save it with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,7 +64,6 @@ def _build_tokenizer(out_dir: Path, vocab_target: int) -> int:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
-    return len(fast)
 
 
 def make_random_model(
@@ -84,7 +83,7 @@ def make_random_model(
     folder's tokenizer files instead of building the small byte-level one.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,23 +94,17 @@ def make_random_model(
 
     if tokenizer_from is not None:
         src = Path(tokenizer_from)
-        copied = 0
+        if not (src / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"make_random_model: no tokenizer.json in tokenizer_from={src}")
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json"):
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
-                copied += 1
-        if not (out / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"make_random_model: no tokenizer.json in tokenizer_from={src}")
-        from transformers import AutoTokenizer
-
-        tok_vocab = len(AutoTokenizer.from_pretrained(str(out)))
     else:
-        tok_vocab = _build_tokenizer(out, vocab_target=320)
-
-    from transformers import AutoTokenizer
+        _build_tokenizer(out, vocab_target=320)
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tok_vocab = len(tokenizer)
     model_vocab = tok_vocab if vocab_size is None else int(vocab_size)
     if model_vocab < tok_vocab:
         raise ValueError(f"make_random_model: vocab_size={model_vocab} is smaller than the tokenizer's {tok_vocab}")
