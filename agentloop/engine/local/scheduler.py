@@ -126,6 +126,10 @@ class Scheduler:
     def call(self, fn: Callable[[], T]) -> "concurrent.futures.Future[T]":
         """Run `fn` on the worker thread between forward passes; returns a Future of its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set() or not self._thread.is_alive():
+            # Nobody would ever run it: fail now instead of leaving the caller waiting forever.
+            fut.set_exception(RuntimeError("the engine's worker thread is not running (server shutting down?)"))
+            return fut
         self._commands.put((fn, fut))
         self._wake.set()
         return fut
