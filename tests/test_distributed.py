@@ -3,6 +3,8 @@
 One Ray session and one `RayRuntime` serve the whole module (engines and workers take seconds to
 start on the 2-core CI machine); the tests run in file order and the destructive ones come last.
 What is shown:
+- GPU servers are reserved together on a placement group; two with num_gpus=0.5 share the one GPU
+  (a logical GPU of the CPU cluster), and a fleet that does not fit fails with the reason;
 - Ray mode and local mode give the same trajectories token for token (greedy) over 2 steps, each
   with the staged wake-up and the sleep fanned out to both engines, and no worker dispatch outside
   the driver's AWAKE window (the engines also refuse generation while asleep);
@@ -33,7 +35,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from agentloop.distributed import RayRuntime, WorkerGate  # noqa: E402
+from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerGate  # noqa: E402
 from agentloop.engine.base import EngineError, GenerateOutput, SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import EngineState, LifecycleError  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
@@ -87,7 +89,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # One logical GPU (no real one): lets the placement-group path of GPU servers run here.
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -145,6 +148,53 @@ async def test_worker_gate_follows_the_driver_and_never_drives_engines() -> None
     for transition in (gate.wake_up(), gate.sleep()):
         with pytest.raises(LifecycleError, match="driver"):
             await transition
+
+
+# ---------------------------------------------------------------------- engine placement
+def test_two_servers_share_one_gpu_on_a_placement_group(ray_session: None, model_dir: Path) -> None:
+    import anyio
+    from ray.util.placement_group import placement_group_table
+
+    async def go() -> None:
+        fleet = EngineFleet([EngineSpec("local", str(model_dir), extra_args=ENGINE_ARGS)] * 2, num_cpus=0, num_gpus=0.5)
+        try:
+            urls = await fleet.start(timeout=120)
+            info = await fleet.info()
+            assert [i["url"] for i in info] == urls and len(set(urls)) == 2
+            # Ray put both servers on the cluster's one GPU and told each process so.
+            assert [i["gpu_ids"] for i in info] == [["0"], ["0"]]
+            assert {i["cuda_visible_devices"] for i in info} == {"0"}
+            assert placement_group_table(fleet.pg)["state"] == "CREATED"
+            for url in urls:
+                client = SGLangClient(url)
+                assert "model_path" in await client.model_info()
+                await client.close()
+        finally:
+            pg = fleet.pg
+            await fleet.stop()
+        assert placement_group_table(pg)["state"] == "REMOVED"
+        for url in urls:  # the server processes are gone with the fleet
+            client = SGLangClient(url, retries=0)
+            with pytest.raises(EngineError):
+                await client.model_info()
+            await client.close()
+
+    anyio.run(go)
+
+
+def test_fleet_that_does_not_fit_says_why(ray_session: None, model_dir: Path) -> None:
+    import anyio
+
+    async def go() -> None:
+        fleet = EngineFleet([EngineSpec("sglang", str(model_dir))] * 2, num_cpus=0, num_gpus=1, placement_timeout=2)
+        try:
+            with pytest.raises(RuntimeError, match=r"2 x \{'GPU': 1, 'CPU': 0\}.*lacks the GPUs"):
+                await fleet.start()
+            assert fleet.actors == []  # nothing was started
+        finally:
+            await fleet.stop()
+
+    anyio.run(go)
 
 
 # ---------------------------------------------------------------------- Ray mode on CPU
