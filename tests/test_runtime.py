@@ -184,7 +184,7 @@ async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None
     cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"n": 2, "target_groups": 2, "concurrency": 8}}
     async with Runtime(cfg) as rt:
         quick = replay_samples(2, short_turns(2, 4), prefix="q")
-        slow = replay_samples(2, short_turns(3, 150), prefix="z")
+        slow = replay_samples(2, short_turns(2, 30), prefix="z")
         res = await rt.step(quick + slow)
         assert sorted({t.group_id for t in res.trajectories}) == ["q0", "q1"]
         assert len(res.trajectories) == 4 and all(t.status == "completed" for t in res.trajectories)
@@ -202,7 +202,7 @@ async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None
         by = {c.uid: c.resume_from for c in res.carry_over}
         for t in res2.trajectories:
             t.check_invariants()
-            assert t.status == "completed" and len(t.response_ids) == 3 * 150 + 2 * 3
+            assert t.status == "completed" and len(t.response_ids) == 2 * 30 + 3
             prev = by[t.uid]
             assert t.weight_versions[: len(prev.turns)] == prev.weight_versions  # old turns keep their version
             assert t.weight_versions[-1] == v2 and t.weight_version == v2
