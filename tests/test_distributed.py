@@ -349,7 +349,10 @@ def test_dead_engine_server_is_taken_out(rt: RayRuntime) -> None:
     samples = replay_samples("e", 3, turns=3, latency=0.3)
 
     def killer() -> None:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and rt.router.bound().get(victim["url"], 0) == 0:
+            time.sleep(0.01)
+        time.sleep(0.2)  # trajectories bound to it are mid-way
         os.kill(victim["pid"], signal.SIGKILL)
 
     thread = threading.Thread(target=killer)
@@ -358,6 +361,10 @@ def test_dead_engine_server_is_taken_out(rt: RayRuntime) -> None:
     thread.join()
     assert res.metrics["status_counts"]["completed"] == 6
     assert victim["url"] in res.metrics["servers_removed"]
+    moved = [t for t in res.trajectories if t.extra["servers"] == [victim["url"], info[1]["url"]]]
+    assert moved, "some trajectories must have moved from the killed server to the other one"
+    for t in res.trajectories:
+        t.check_invariants()
     assert rt.lifecycle.urls == [info[1]["url"]]
     assert all(s["servers"] == [info[1]["url"]] for s in on_portal(rt, rt.worker_stats))
     # The next step wakes, rolls out and sleeps on the server that is left.
