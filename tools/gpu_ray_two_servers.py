@@ -47,6 +47,16 @@ def gpu_used_gib() -> float | None:
     return round((total - free) / 2**30, 3)
 
 
+def _free_cuda_cache() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def replay_samples(step: int, prompts: int, turns: int, gen: int) -> list[Any]:
     from agentloop.types import Sample
 
@@ -131,6 +141,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
             finally:
                 rt.pool.open_gates = orig_open  # type: ignore[method-assign]
             del weights
+            _free_cuda_cache()  # this driver's copy of the weights must not count as the servers' memory
             mem["after_sleep"] = gpu_used_gib()
             m = res.metrics
             per_server: dict[str, int] = {}
