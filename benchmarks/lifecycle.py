@@ -180,9 +180,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     async with open_engine(args) as engine:
         out["engine"] = engine.description
         sd = trainer_weights(engine)
-        out["weights"] = {"tensors": len(sd), "bytes": weights_bytes(sd), "mib": r4(weights_bytes(sd) / 2**20),
-                          "transport": "safetensors (CPU engine)" if engine.kind == "cpu" else "CUDA IPC (sglang)"}
         async with SGLangClient(engine.url, timeout=600) as client:
+            # The client picks the transport the same way: the CPU engine announces safetensors.
+            transport = (await client.server_info()).get("tensor_transport") or "cuda_ipc (sglang MultiprocessingSerializer)"
+            out["weights"] = {"tensors": len(sd), "bytes": weights_bytes(sd), "mib": r4(weights_bytes(sd) / 2**20),
+                              "transport": transport, "dtype": str(next(iter(sd.values())).dtype)}
             lc = Lifecycle([client], awake=True, staged=True)
             await generate_batch(lc, engine.url, 2, 4, salt=0)  # warm-up of the engine and the client
             await agentloop_cycle(lc, sd, "warm-a")

@@ -302,7 +302,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_title(f"mean tool latency {lat:g}s", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="lower right")
     s = report["settings"]
     fig.suptitle(f"Rollout throughput: {s['trajectories']} trajectories x {s['turns']} turns, heavy-tailed lengths "
                  f"(median {s['gen_median']:g} tok)\n{title_suffix(report)}", fontsize=9)
@@ -326,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--tool-latency-means", type=float, nargs="+", default=[0.02, 0.2], help="seconds (a sweep)")
     w.add_argument("--tool-result-median", type=float, default=16.0, help="median tokens of a tool result")
     w.add_argument("--concurrency", type=int, nargs="+", default=[4, 12, 48])
-    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--repeats", type=int, default=5)
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
