@@ -50,10 +50,11 @@ WAKE = ["resume_weights", "update_weights", "resume_kv_cache"]
 SLEEP = ["pause", "settle", "continue", "flush_cache", "release"]
 
 
-def replay_samples(prefix: str, n: int, *, turns: int = 2, gen: int = 6, latency: float = 0.02) -> list[Sample]:
+def replay_samples(prefix: str, n: int, *, turns: int = 2, gen: int = 6, latency: float = 0.02,
+                   reward: str | None = None) -> list[Sample]:
     spec = {"prompt_tokens": 12, "turns": [{"gen_tokens": gen, "tool_latency_s": latency, "tool_result_tokens": 3}] * turns}
     return [Sample(uid=f"{prefix}{i}", messages=[{"role": "user", "content": "x"}], agent="replay",
-                   extra={"replay": spec}) for i in range(n)]
+                   extra={"replay": spec}, reward=reward, ground_truth=42) for i in range(n)]
 
 
 def config(model: Path, servers: int) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def config(model: Path, servers: int) -> dict[str, Any]:
 
 
 def tokens(t: Trajectory) -> tuple[Any, ...]:
-    return (t.uid, t.group_id, t.status, t.num_turns, t.prompt_ids, t.response_ids, t.response_mask)
+    return (t.uid, t.group_id, t.status, t.num_turns, t.prompt_ids, t.response_ids, t.response_mask, t.reward)
 
 
 def assert_same(a: list[Trajectory], b: list[Trajectory]) -> None:
@@ -109,7 +110,7 @@ def local_reference(model_dir: Path) -> dict[str, list[Trajectory]]:
     out = {}
     with Runtime(config(model_dir, 1)) as local:
         for prefix, weights in step_weights(model_dir):
-            out[prefix] = local.step_sync(replay_samples(prefix, 3), weights).trajectories
+            out[prefix] = local.step_sync(replay_samples(prefix, 3, reward="arithmetic"), weights).trajectories
     return out
 
 
@@ -203,7 +204,7 @@ def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_referen
     results: list[StepResult] = []
     for prefix, weights in step_weights(model_dir):
         first = len(rt.lifecycle.records)
-        res = rt.step_sync(replay_samples(prefix, 3), weights)
+        res = rt.step_sync(replay_samples(prefix, 3, reward="arithmetic"), weights)
         results.append(res)
         assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "wake_up"] == WAKE
         assert [r.stage for r in rt.lifecycle.records[first:] if r.phase == "sleep"] == SLEEP
@@ -211,6 +212,7 @@ def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_referen
         assert rt.lifecycle.state is EngineState.SLEEPING
         assert res.metrics["status_counts"]["completed"] == 6 and res.batch["input_ids"].shape[0] == 6
         assert_same(res.trajectories, local_reference[prefix])
+        assert all(t.reward is not None for t in res.trajectories)  # scored on the workers, kept by the driver
         ray_metrics = res.metrics["ray"]
         assert ray_metrics["retried"] == [] and ray_metrics["worker_generations_outside_awake"] == 0
         assert len(ray_metrics["jobs_per_worker"]) == 2  # both workers served
