@@ -144,13 +144,22 @@ async def test_attach_to_a_running_server_and_start_servers(fake_sglang, random_
             assert (await c.model_info())["weight_version"]
     finally:
         await launched.stop()
-    # one failure stops the others
-    ok = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir)), log_path=tmp_path / "a.log", env=fake_sglang)
-    bad = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir)), log_path=tmp_path / "b.log",
+    # one failure stops the others (different GPUs: concurrent starts)
+    ok = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir), gpu_ids=[0]), log_path=tmp_path / "a.log",
+                      env=fake_sglang)
+    bad = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir), gpu_ids=[1]), log_path=tmp_path / "b.log",
                        env={**fake_sglang, "FAKE_SGLANG_MODE": "exit"})
     with pytest.raises(LaunchError):
         await start_servers([ok, bad], timeout=120)
     assert ok.proc is None and bad.proc is None
+    # on one GPU: one after another, and a failure stops the rest before they start
+    bad2 = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir)), log_path=tmp_path / "c.log",
+                        env={**fake_sglang, "FAKE_SGLANG_MODE": "exit"})
+    never = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir)), log_path=tmp_path / "d.log",
+                         env=fake_sglang)
+    with pytest.raises(LaunchError):
+        await start_servers([bad2, never], timeout=120)
+    assert not (tmp_path / "d.log").exists()
 
 
 async def test_command_line_serves_until_sigterm(fake_sglang, random_model_dir, tmp_path) -> None:

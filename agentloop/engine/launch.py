@@ -256,18 +256,30 @@ class SGLangServer:
 
 
 async def start_servers(servers: Sequence[SGLangServer], timeout: float = 600.0) -> list[str]:
-    """Start several servers concurrently (their start-ups overlap); stops all if one fails."""
-    errors: list[BaseException] = []
+    """Start several servers; stops all of them if one fails.
 
-    async def one(s: SGLangServer) -> None:
-        try:
-            await s.start(timeout)
-        except Exception as e:  # collected: the others keep starting, then all are stopped below
-            errors.append(e)
+    Servers on different GPUs start concurrently. Servers sharing a GPU start one after another:
+    sglang 0.5.17 sizes its KV pool as `free memory now - free memory at start-up x (1 - mem_fraction)`,
+    so a neighbour that allocates between those two readings can leave nothing (or a negative budget).
+    """
+    errors: list[BaseException] = []
+    by_gpu: dict[tuple[int, ...] | None, list[SGLangServer]] = {}
+    for s in servers:
+        gpus = tuple(s.config.gpu_ids) if s.config is not None and s.config.gpu_ids is not None else None
+        by_gpu.setdefault(gpus, []).append(s)
+
+    async def one_gpu(group: list[SGLangServer]) -> None:
+        for s in group:
+            if errors:
+                return
+            try:
+                await s.start(timeout)
+            except Exception as e:  # collected: the other GPUs' servers keep starting, then all are stopped
+                errors.append(e)
 
     async with anyio.create_task_group() as tg:
-        for s in servers:
-            tg.start_soon(one, s)
+        for group in by_gpu.values():
+            tg.start_soon(one_gpu, group)
     if errors:
         for s in servers:
             await s.stop()
