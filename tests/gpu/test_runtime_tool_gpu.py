@@ -180,7 +180,7 @@ async def test_out_of_vocab_id_sent_to_real_sglang(tool_server) -> None:
     try:
         async with aiohttp.ClientSession() as s:
             async with s.post(server.url + "/generate", json={"input_ids": [1, 2, vocab + 3],
-                              "sampling_params": {"max_new_tokens": 2}}, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                              "sampling_params": {"max_new_tokens": 2}}, timeout=aiohttp.ClientTimeout(total=20)) as r:
                 outcome.update(status=r.status, body=(await r.text())[:1000])
     except Exception as e:  # the server may die mid-request
         outcome["error"] = f"{type(e).__name__}: {e}"
