@@ -185,10 +185,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
                                        ("oversample", f"over-sample x{report['settings']['oversample']:g} + abort"))):
         steps = report["steps"][mode]
         xs = [s["step"] + (j - 0.5) * width for s in steps]
-        roll = [s["rollout_s"] for s in steps]
+        roll = [s["rollout_s"] - max(0.0, s["stop_tail_s"]) for s in steps]
+        tail = [max(0.0, s["stop_tail_s"]) for s in steps]
         rest = [s["step_s"] - s["rollout_s"] for s in steps]
-        ax.bar(xs, roll, width, label=f"{label}: rollout")
-        ax.bar(xs, rest, width, bottom=roll, alpha=0.5, label=f"{label}: wake-up + sleep (abort)")
+        bars = ax.bar(xs, roll, width, label=f"{label}: rollout to the last returned trajectory")
+        color = bars.patches[0].get_facecolor()
+        if any(t > 0.001 for t in tail):
+            ax.bar(xs, tail, width, bottom=roll, color=color, alpha=0.45, hatch="//",
+                   label=f"{label}: early stop (abort, wait for the rest)")
+        ax.bar(xs, rest, width, bottom=[a + b for a, b in zip(roll, tail)], color="gray", alpha=0.5,
+               label="wake-up + sleep" if j == 1 else None)
     s = report["summary"]
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
@@ -198,7 +204,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     st = report["settings"]
     ax.set_title(f"Time to {st['target_groups']} complete groups of {st['group_size']}: mean step "
                  f"{s['wait_all']['mean_step_s']:.2f}s -> {s['oversample']['mean_step_s']:.2f}s "
-                 f"({100 * s['step_time_reduction']:.0f}% less)\n{title_suffix(report)}", fontsize=8)
+                 f"({-100 * s['step_time_reduction']:+.0f}% step time)\n{title_suffix(report)}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
