@@ -11,13 +11,14 @@
 #    decode CUDA graphs up to batch 64) in its own process group;
 # 4. runs, each attached with --engine sglang --engine-url, each under a hard time limit:
 #    lifecycle (BENCH_LIFECYCLE_LIMIT, 60 s), long_tail (BENCH_LONGTAIL_LIMIT, 90 s),
-#    rollout_throughput (BENCH_THROUGHPUT_LIMIT, 150 s); every benchmark saves as it goes, so one cut
+#    rollout_throughput (BENCH_THROUGHPUT_LIMIT, 180 s); every benchmark saves as it goes, so one cut
 #    short still leaves what it measured;
 # 5. stops the server group.
 # BENCH_DRYRUN=1 runs the same script with the CPU engine standing in for SGLang (--smoke sizes, no
 # install): to debug the script without GPU time; its results are not GPU results.
-# Expected: ~20 s install, 60-90 s server start (+~80 s without a JIT cache), ~4 min of benchmarks:
-# about 6 minutes in all, within one 10-minute device call.
+# Expected: ~20 s install, 60-90 s server start (+~80 s without a JIT cache), ~4 min of benchmarks
+# (lifecycle ~30 s, long_tail ~50 s, rollout_throughput ~150 s): about 6 minutes in all. Worst case,
+# every limit hit (server start BENCH_START_LIMIT 180 s, kill grace, server stop): just under 10 minutes.
 #
 # OUTDIR receives 7 files (the device tool brings back at most 8): {rollout_throughput,lifecycle,
 # long_tail}_sglang.{json,png} and gpu_benchmarks.log (environment, the benchmarks' output, the tail
@@ -84,7 +85,7 @@ stop_server() {
 }
 trap stop_server EXIT
 
-for _ in $(seq "${BENCH_START_LIMIT:-300}"); do
+for _ in $(seq "${BENCH_START_LIMIT:-180}"); do
   grep -qF "$READY" "$SERVER_LOG" 2>/dev/null && break
   kill -0 "$SERVER" 2>/dev/null || break
   sleep 1
@@ -114,7 +115,7 @@ run_bench lifecycle "${BENCH_LIFECYCLE_LIMIT:-60}" --repeats 10 --memory-repeats
 run_bench long_tail "${BENCH_LONGTAIL_LIMIT:-90}" --target-groups 8 --group-size 4 --oversample 1.5 --steps 3 \
   --turns 2 --prompt-tokens 128 --gen-median 48 --gen-sigma 0.4 --traj-sigma 1.0 --gen-max 768 \
   --tool-latency-mean 0.05 --tool-result-median 32 &&
-run_bench rollout_throughput "${BENCH_THROUGHPUT_LIMIT:-150}" --trajectories 96 --turns 4 --prompt-tokens 128 \
+run_bench rollout_throughput "${BENCH_THROUGHPUT_LIMIT:-180}" --trajectories 96 --turns 4 --prompt-tokens 128 \
   --gen-median 48 --gen-max 512 --tool-result-median 32 --tool-latency-means 0.05 0.5 --concurrency 64 32 16 \
   --repeats 1
 
