@@ -213,6 +213,7 @@ async def _run_steps(run: _Run) -> None:
         carry: list[Sample] = []
         for step in range(1, cfg.steps + 1):
             prompts = carry + step_prompts(run.dataset.samples, step, cfg.prompts_per_step)
+            by_group = {p.group_id or p.uid: p for p in prompts}
             rec = _StepRecord(step)
             run.steps.append(rec)
             first_record = len(runtime.lifecycle.records)
@@ -222,6 +223,10 @@ async def _run_steps(run: _Run) -> None:
             t0 = time.monotonic()
 
             async def done(traj: Trajectory, rec: _StepRecord = rec, step: int = step) -> None:
+                row = by_group.get(traj.group_id)
+                if row is not None and row.extra:
+                    # The data row's free fields travel with its trajectories (the runtime's own keys win).
+                    traj.extra = {**row.extra, **traj.extra}
                 rec.trajectories.append(traj)
                 assert run.stream is not None
                 run.stream.write(traj, step)
