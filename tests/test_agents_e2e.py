@@ -215,6 +215,40 @@ async def test_tiny_model_continues_after_a_hanging_and_a_raising_tool(tiny_engi
         await client.close()
 
 
+async def test_simulated_user_asks_a_second_question_to_the_tiny_model(tiny_engine: Engine) -> None:
+    from transformers import AutoTokenizer
+
+    from agentloop.agents.interaction import scripted_user
+    from agentloop.tasks.arithmetic import generate_questions
+    from agentloop.tools import ToolRegistry
+    from agentloop.tools.builtin.calculator import CalculatorTool
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_engine.model_dir))
+    client = SGLangClient(tiny_engine.url)
+    q1, q2 = generate_questions(2, seed=3)
+    s = Sample(uid="chat", messages=[{"role": "user", "content": q1.question}], ground_truth=q2.answer,
+               reward="arithmetic", extra={"user_turns": [q2.question]})
+    rec = Recorder(Lifecycle([client]), tiny_engine.url, "chat")
+    cfg = AgentConfig(max_assistant_turns=6, max_response_tokens=600, max_context_tokens=1500,
+                      max_new_tokens_per_turn=96, sampling=SamplingParams(temperature=0.0))
+    ctx = AgentContext(generate=rec, tokenizer=tok, config=cfg, tools=ToolRegistry([CalculatorTool()]),
+                       interaction=scripted_user)
+    try:
+        traj = await get_agent("tool").run(s, ctx)
+        await score(traj, s)
+    finally:
+        await client.close()
+    assert traj.status == "completed" and traj.extra["user_turns"] == 1, (traj.status, traj.finish_reason)
+    assert_matches_engine(traj, rec)
+    users = [i for i, m in enumerate(traj.messages) if m["role"] == "user"]
+    assert len(users) == 2 and traj.messages[users[1]]["content"] == q2.question
+    assert traj.messages[users[1] - 1]["role"] == "assistant"  # asked after the model's first answer
+    # The second question is template text (mask 0) between two model turns.
+    fixed = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if not m])
+    assert f"<|im_start|>user\n{q2.question}<|im_end|>" in fixed
+    assert traj.reward is not None
+
+
 def _random_ctx(engine: Engine, lifecycle: Lifecycle, uid: str, **cfg: Any) -> tuple[AgentContext, Recorder]:
     from transformers import AutoTokenizer
 
