@@ -218,6 +218,8 @@ async def test_abort_then_resume_continues_the_same_tokens() -> None:
     partial = await get_agent("tool").run(s, make_ctx(eng1, reg))
     assert (partial.status, partial.finish_reason, partial.num_turns) == ("aborted", "abort", 1)
     partial.check_invariants()
+    assert [m["role"] for m in partial.messages] == ["user", "assistant"]  # the partial text, readable
+    assert partial.messages[1]["content"] == tok.decode(first[:k])
 
     def rest(ids: list[int], p: SamplingParams) -> GenerateOutput:
         assert ids == partial.prompt_ids + partial.response_ids  # continues exactly where it stopped
@@ -234,7 +236,8 @@ async def test_abort_then_resume_continues_the_same_tokens() -> None:
     assert traj.response_ids[: len(partial.response_ids)] == partial.response_ids
     sampled = [t for t, m in zip(traj.response_ids, traj.response_mask) if m]
     assert sampled == first + [tok.eos_token_id] + eng2.sampled[1]
-    assert traj.messages[-3]["tool_calls"][0]["function"]["arguments"] == {"expression": "2 + 3"}
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2 + 3"}
     assert traj.metrics["resumed"] == 1
     await score(traj, s2)
     assert traj.reward == 1.0

@@ -54,6 +54,8 @@ class Episode:
         self.error: str | None = None
         self.extra: dict[str, Any] = {}
         self.started = self.clock()
+        self._continued = False  # the last model turn continued an open (resumed) message
+        self._sampled_nothing = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -130,6 +132,8 @@ class Episode:
         t1 = self.clock()
         self.timeline.append(TimelineEvent("generate", t0, t1))
         self.metrics["generate_seconds"] += t1 - t0
+        self._continued = continuing
+        self._sampled_nothing = not out.output_ids
         if out.aborted and not out.output_ids:
             # Aborted (or never dispatched) before its first token: no turn to record; a resume
             # starts this turn afresh.
@@ -143,6 +147,14 @@ class Episode:
         else:
             self.extra.pop("turn_cut_by", None)
         return out
+
+    def show_assistant(self, message: Mapping[str, Any]) -> None:
+        """Record the readable form of the assistant message just sampled; a continuation of a
+        resumed (aborted) message replaces that message's earlier, partial form."""
+        assert self.buffer is not None
+        if self._sampled_nothing and not self._continued:
+            return
+        self.buffer.add_display_message(message, replace_last=self._continued)
 
     def turn_text(self) -> str:
         """Text of the assistant message just sampled (across a resumed continuation), for parsing

@@ -23,11 +23,7 @@ class SingleTurnAgent(AgentLoop):
             return Episode.failed_before_start(sample, ctx, e)
         try:
             out = await ep.generate()
-            assert ep.buffer is not None
-            ep.buffer.add_display_message(
-                {"role": "assistant", "content": ep.turn_text()}, replace_last=sample.resume_from is not None
-                and bool(ep.buffer.messages) and ep.buffer.messages[-1].get("role") == "assistant",
-            )
+            ep.show_assistant({"role": "assistant", "content": ep.turn_text()})
             if out.aborted:
                 ep.finish("aborted", "abort")
             elif out.finish_type == "length":

@@ -52,11 +52,12 @@ class ToolAgent(AgentLoop):
         assert ep.buffer is not None
         while True:
             out = await ep.generate()
-            if out.aborted:
+            if out.aborted:  # keep the partial text readable; a resume continues (and replaces) it
+                ep.show_assistant({"role": "assistant", "content": ep.turn_text()})
                 ep.finish("aborted", "abort")
                 return
             content, calls = parser.parse(ep.turn_text())
-            ep.buffer.add_display_message(_assistant_message(content, calls), replace_last=_continues(ep))
+            ep.show_assistant(_assistant_message(content, calls))
             if calls:
                 if ep.assistant_turns >= cfg.max_assistant_turns:
                     ep.finish("truncated", "max_assistant_turns")
@@ -120,12 +121,6 @@ class ToolAgent(AgentLoop):
             1 for r in results if r.truncated
         )
         return results
-
-
-def _continues(ep: Episode) -> bool:
-    """True if this turn continued an assistant message begun before (resumed after an abort)."""
-    assert ep.buffer is not None
-    return len(ep.buffer.turns) >= 2 and ep.buffer.turns[-2].start + ep.buffer.turns[-2].length == ep.buffer.turns[-1].start
 
 
 def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
