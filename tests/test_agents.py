@@ -12,7 +12,6 @@ import time
 from typing import Any, Callable
 
 import anyio
-import pytest
 
 from agentloop.agents import AgentConfig, AgentContext, get_agent
 from agentloop.agents.interaction import scripted_user

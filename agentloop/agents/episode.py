@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..chat import TokenBuffer
 from ..engine.base import GenerateOutput
-from .base import AgentContext
 from ..types import Sample, TimelineEvent, Trajectory, TrajectoryStatus
+from .base import AgentContext
 
 __all__ = ["Episode", "BudgetSpent"]
 
