@@ -12,6 +12,8 @@ import time
 from typing import Any, Callable
 
 import anyio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentloop.agents import AgentConfig, AgentContext, get_agent
 from agentloop.agents.interaction import scripted_user
@@ -347,3 +349,36 @@ async def test_abort_before_the_first_token_leaves_no_turn_and_resume_starts_it_
     assert traj.status == "completed" and traj.num_turns == 1
     assert eng2.inputs[0] == partial.prompt_ids
     assert_exact(traj, eng2)
+
+
+_turn = st.one_of(
+    st.builds(lambda a, b: call("calculator", expression=f"{a} + {b}"), st.integers(0, 999), st.integers(0, 999)),
+    st.just("<tool_call>\n{broken\n</tool_call>"),
+    st.just(call("nope")),
+    st.builds(lambda n: f"The answer is {n}.", st.integers(-99, 999)),
+    st.text(alphabet="abc xyz<>/{}\n", max_size=30),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    turns=st.lists(_turn, min_size=1, max_size=6),
+    max_response=st.integers(20, 400),
+    per_turn=st.integers(4, 64),
+    max_turns=st.integers(1, 5),
+)
+def test_any_script_gives_an_exact_trajectory_within_budget(
+    turns: list[str], max_response: int, per_turn: int, max_turns: int
+) -> None:
+    tok = qwen_style_tokenizer()
+    # Enough turns that the loop never runs out of script before a limit or a final answer.
+    eng = ScriptedEngine(tok, turns + ["The answer is 1."] * 8)
+    ctx = make_ctx(eng, ToolRegistry([Calculator()]), max_response_tokens=max_response,
+                   max_new_tokens_per_turn=per_turn, max_assistant_turns=max_turns)
+    traj = anyio.run(get_agent("tool").run, sample(), ctx)
+    assert traj.status in ("completed", "truncated"), (traj.status, traj.error)
+    assert_exact(traj, eng)
+    assert len(traj.response_ids) <= max_response
+    assert all(p.max_new_tokens <= per_turn for p in eng.params)
+    assert traj.num_turns == len(eng.sampled) <= max_turns
+    assert traj.tool_calls == sum(len(r["ok"]) for r in traj.extra.get("tool_results", []))
