@@ -95,6 +95,36 @@ def samples(step: int):
             for i, q in enumerate(generate_questions(PROMPTS, seed=100 + step))]
 
 
+async def test_stop_token_ids_keep_the_matched_token(tool_server) -> None:
+    """Runs first, while the fresh server is awake. With --skip-tokenizer-init, is a matched stop token
+    the last of output_ids, with its logprob (the CPU engine's contract)? Each greedy run follows a
+    cache flush, so both use the same kernels."""
+    from transformers import AutoTokenizer
+
+    from agentloop.engine.lifecycle import Lifecycle
+
+    server, model_dir = tool_server
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 17 * 23 + 4?"}], tokenize=True,
+                                     add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    async with SGLangClient(server.url, timeout=60) as c:
+        lc = Lifecycle([c], awake=True)
+        greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        assert await c.flush_cache()
+        free = await lc.generate(server.url, prompt, greedy)
+        stop = free.output_ids[5]
+        first = free.output_ids.index(stop)
+        assert await c.flush_cache()
+        out = await lc.generate(server.url, prompt, greedy.replace(stop_token_ids=[stop]))
+    record("test_stop_token_ids_keep_the_matched_token", unstopped=free.output_ids, stop_token=stop,
+           stopped=out.output_ids, finish_reason=out.finish_reason, stopped_logprobs=out.output_logprobs,
+           unstopped_text=tok.decode(free.output_ids))
+    assert out.finish_reason == {"type": "stop", "matched": stop}, out.finish_reason
+    assert out.output_ids == free.output_ids[: first + 1], "the matched stop token is kept as the last id"
+    assert len(out.output_logprobs) == len(out.output_ids)
+
+
 async def test_runtime_steps_with_tool_loop_on_sglang(tool_server) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
