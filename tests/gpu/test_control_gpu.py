@@ -25,6 +25,7 @@ import anyio  # noqa: E402
 
 from agentloop.engine.base import GenerateOutput, SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import EngineState, Lifecycle, Weights  # noqa: E402
+from agentloop.engine.launch import QWEN2_05B_CONFIG  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
 
 from gpu_helpers import InstrumentedClient, gpu_memory, record  # noqa: E402
@@ -146,7 +147,7 @@ async def test_sleep_with_requests_in_flight_then_gate_holds_generate_and_health
         await _finish(lc, client, dummy_server)
 
 
-async def test_stop_token_ids_keep_the_matched_token(dummy_server) -> None:
+async def test_stop_token_ids_keep_the_matched_token_dummy(dummy_server) -> None:
     """With --skip-tokenizer-init, is a matched stop token the last of output_ids (the CPU engine's
     contract), with its logprob? Greedy runs after a cache flush each, so both use the same kernels."""
     lc, client = await _lifecycle(dummy_server)
@@ -158,8 +159,11 @@ async def test_stop_token_ids_keep_the_matched_token(dummy_server) -> None:
         stop = free.output_ids[5]
         first = free.output_ids.index(stop)
         assert await client.flush_cache()
-        out = await lc.generate(url, prompt(11), greedy.replace(stop_token_ids=[stop]))
-        record("test_stop_token_ids_keep_the_matched_token", unstopped=free.output_ids, stop_token=stop,
+        # sglang 0.5.17 checks stop_token_ids only without ignore_eos (GPU run 2); the dummy model's EOS
+        # (151643) is not among these ids, so only the stop token can end the run
+        assert QWEN2_05B_CONFIG["eos_token_id"] not in free.output_ids[: first + 1]
+        out = await lc.generate(url, prompt(11), greedy.replace(stop_token_ids=[stop], ignore_eos=False))
+        record("test_stop_token_ids_keep_the_matched_token_dummy", unstopped=free.output_ids, stop_token=stop,
                stopped=out.output_ids, finish_reason=out.finish_reason, stopped_logprobs=out.output_logprobs)
         assert out.finish_reason == {"type": "stop", "matched": stop}, out.finish_reason
         assert out.output_ids == free.output_ids[: first + 1], "the matched stop token is kept as the last id"

@@ -114,15 +114,31 @@ async def test_stop_token_ids_keep_the_matched_token(tool_server) -> None:
         assert await c.flush_cache()
         free = await lc.generate(server.url, prompt, greedy)
         stop = free.output_ids[5]
-        first = free.output_ids.index(stop)
         assert await c.flush_cache()
-        out = await lc.generate(server.url, prompt, greedy.replace(stop_token_ids=[stop]))
+        # sglang 0.5.17 checks stop_token_ids only without ignore_eos (GPU run 2: with it, no stop)
+        ignored = await lc.generate(server.url, prompt, greedy.replace(stop_token_ids=[stop]))
+        assert await c.flush_cache()
+        out = await lc.generate(server.url, prompt, greedy.replace(stop_token_ids=[stop], ignore_eos=False))
+    eos = _eos_ids(model_dir)
+    k = next(i for i, t in enumerate(free.output_ids) if t == stop or t in eos)
     record("test_stop_token_ids_keep_the_matched_token", unstopped=free.output_ids, stop_token=stop,
+           with_ignore_eos={"ids": ignored.output_ids, "finish_reason": ignored.finish_reason},
            stopped=out.output_ids, finish_reason=out.finish_reason, stopped_logprobs=out.output_logprobs,
            unstopped_text=tok.decode(free.output_ids))
-    assert out.finish_reason == {"type": "stop", "matched": stop}, out.finish_reason
-    assert out.output_ids == free.output_ids[: first + 1], "the matched stop token is kept as the last id"
+    assert ignored.finish_reason == {"type": "length", "length": 16}, "ignore_eos also ignores stop_token_ids"
+    assert out.finish_reason == {"type": "stop", "matched": free.output_ids[k]}, out.finish_reason
+    assert out.output_ids == free.output_ids[: k + 1], "the matched stop token is kept as the last id"
     assert len(out.output_logprobs) == len(out.output_ids)
+
+
+def _eos_ids(model_dir) -> set[int]:
+    import json
+
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        v = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        ids |= set(v) if isinstance(v, list) else ({v} if v is not None else set())
+    return ids
 
 
 async def test_runtime_steps_with_tool_loop_on_sglang(tool_server) -> None:
