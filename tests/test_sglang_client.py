@@ -347,6 +347,14 @@ async def test_tensor_updates_to_sglang_checked_against_the_model_before_sending
     good = [("model.embed_tokens.weight", torch.zeros(100, 32)), ("lm_head.weight", torch.zeros(100, 32)),
             ("model.layers.0.mlp.gate_proj.weight", torch.zeros(64, 32)), ("model.norm.weight", torch.zeros(32))]
     await client.check_named_tensors(good)
+    # prepare() looks everything up ahead of the first update: nothing left to ask afterwards
+    async with SGLangClient(replay.url) as c:
+        await c.prepare()
+        assert c.tensor_transport == "cuda_ipc" and c._tp_size == 1 and c.vocab_size == 100
+        assert c._param_shapes["model.norm.weight"] == (32,)  # type: ignore[index]
+        n = len(replay.requests)
+        await c.check_named_tensors(good)
+        assert len(replay.requests) == n
     # formats other than HF names are not checked; a remote server's model is unknown: not checked
     replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": "/not/on/this/host"}))
     async with SGLangClient(replay.url) as c:

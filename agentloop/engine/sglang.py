@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import uuid
@@ -90,16 +91,23 @@ def error_message(body: bytes | str) -> str:
     return text.strip()
 
 
-def hf_param_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor in the state dict of the HF model in `folder` (built on the meta
-    device from its config.json: no weights are read). Tied weights appear under both names."""
+@functools.lru_cache(maxsize=8)
+def _hf_param_shapes_cached(folder: str, mtime_ns: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(folder))
+    cfg = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    return tuple((n, tuple(t.shape)) for n, t in model.state_dict().items())
+
+
+def hf_param_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor in the state dict of the HF model in `folder` (built on the meta
+    device from its config.json: no weights are read). Tied weights appear under both names.
+    Cached per process (keyed by the config's mtime): building it takes about a second."""
+    cfg = Path(folder) / "config.json"
+    return dict(_hf_param_shapes_cached(str(Path(folder).resolve()), cfg.stat().st_mtime_ns))
 
 
 def safetensors_payload(named_tensors: Sequence[tuple[str, Any]]) -> str:
@@ -365,6 +373,14 @@ class SGLangClient:
                 log.warning("vocab size of %s unknown (%s): input ids go unchecked", self.url, e)
             self.vocab_size = vocab
             return vocab
+
+    async def prepare(self) -> None:
+        """Look up now what the first generate / weight update would otherwise look up on its way
+        (tensor transport, TP size, vocabulary size, parameter shapes), e.g. while starting up, so
+        the first wake-up's timing holds only the update itself. Optional."""
+        if await self.resolve_tensor_transport() == "cuda_ipc" and self.weight_check:
+            await self.resolve_param_shapes()
+        await self.resolve_vocab_size()
 
     async def local_model_folder(self) -> Path | None:
         """The served model's folder if it is readable here (a server on this host), else None."""
