@@ -7,6 +7,8 @@
 - `InstrumentedClient`: wraps `SGLangClient`, timing every memory/weight call and reading GPU memory
   after it, and listing every `/generate` or `/health` that went out while the lifecycle was not
   AWAKE (must stay empty: real SGLang crashes on a generate while released).
+- `launch`: start SGLang through `agentloop.engine.launch` (dry run: `agentloop serve`); returns
+  (server, command line).
 - `RESULTS` / `record`: what the tests measure; conftest writes it to `$AGENTLOOP_GPU_RESULTS`.
 - `DRYRUN` (`AGENTLOOP_GPU_DRYRUN=1`): the same tests against the CPU engine (`agentloop serve` on a
   random Qwen2 model, CPU tensors, no memory readings), to debug the test code itself without
