@@ -32,7 +32,6 @@ ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
         "max_assistant_turns": 4,
         "max_new_tokens_per_turn": 64,
         "max_response_tokens": 384,
-        "temperature": 1.0,
     },
 }
 

@@ -11,7 +11,7 @@ multi-turn tool-calling rollout of two steps.
 
 Exit status: 0 done; 1 the engines failed (unreachable URL, a lifecycle stage failed); 2 bad
 settings or data; 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the engines left
-asleep or stopped, finished trajectories and a summary of them written).
+asleep or stopped, finished and partial trajectories and a summary of them written).
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ async def _run_steps(run: _Run) -> None:
             run.progress.begin_step(step, cfg.steps, total)
             t0 = time.monotonic()
 
-            async def done(traj: Trajectory, rec: _StepRecord = rec, step: int = step) -> None:
+            async def done(traj: Trajectory, rec: _StepRecord = rec, step: int = step,
+                           by_group: dict[str, Sample] = by_group) -> None:
                 row = by_group.get(traj.group_id)
                 if row is not None and row.extra:
                     # The data row's free fields travel with its trajectories (the runtime's own keys win).
