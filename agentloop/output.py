@@ -66,11 +66,12 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def _finite(x: float | None) -> float | None:
-    """JSON has no NaN/inf: write them as null rather than produce a file strict parsers reject."""
+def _finite(x: float | None, digits: int = 6) -> float | None:
+    """JSON has no NaN/inf: write them as null rather than produce a file strict parsers reject.
+    Rounded to `digits` (microseconds; nobody reads a summary's 15th digit)."""
     if x is None or not isinstance(x, (int, float)) or not math.isfinite(x):
         return None
-    return float(x)
+    return round(float(x), digits)
 
 
 def _json_safe(x: Any) -> Any:
