@@ -141,18 +141,19 @@ async def test_memory_limit():
     """)
     assert "MemoryError" in out
     # code that catches MemoryError and keeps trying still never gets past the limit
+    # (ru_maxrss is no witness here: Linux carries the forking parent's peak across exec, so under a
+    # big pytest process it reports the parent's RSS; the refusals count is what the limit shows.)
     out = await run(t, """
-        import resource
         chunks, refused = [], 0
         for _ in range(200):
             try:
                 chunks.append(bytearray(16 * 1024 * 1024))
             except MemoryError:
                 refused += 1
-        print(len(chunks), refused, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        print(len(chunks), refused)
     """)
-    held, refused, peak_mib = map(int, out.split())
-    assert held * 16 < 128 and refused > 150 and peak_mib < 128, out
+    held, refused = map(int, out.split())
+    assert held * 16 < 128 and refused > 150 and held + refused == 200, out
 
 
 async def test_scratch_size_limit_when_tmpfs_is_available(tmp_path):
