@@ -35,11 +35,11 @@ def test_config_show_is_documented_and_loads_back(tmp_path: Path, capsys: pytest
 def test_bad_config_names_field_and_position(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text("steps: 2\nruntime:\n  scheduler:\n    concurrency: lots\n  agent:\n    temprature: 0.5\n")
-    assert main(["rollout", "--config", str(f)]) == 2
+    assert main(["rollout", "--config", str(f), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"{f}:4:18: runtime.scheduler.concurrency: Input should be a valid integer" in err
     assert f"{f}:6:5: runtime.agent.temprature: unknown field" in err
-    assert not Path("agentloop-out").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_yaml_syntax_error_and_non_mapping(tmp_path: Path) -> None:
