@@ -113,14 +113,14 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict[s
         async def bare(n: int, conc: int, gen: int) -> tuple[float, int]:
             # The runtime keeps the engine asleep between steps: wake it (as a step would) for the bare
             # loop and put it back to sleep, so both paths start from a freshly woken engine.
+            # CPU is counted over wake-up + loop + sleep, as for the runtime's step (which adds collation).
+            c0 = time.process_time()
             await rt.lifecycle.wake_up()
             try:
-                c0 = time.process_time()
-                wall, tok = await bare_loop(http, url, n, conc, args.prompt_len, gen)
-                bare_cpu.append(time.process_time() - c0)
-                return wall, tok
+                return await bare_loop(http, url, n, conc, args.prompt_len, gen)
             finally:
                 await rt.lifecycle.sleep()
+                bare_cpu.append(time.process_time() - c0)
 
         # Warm-up both paths once (connections, engine kernels).
         await bare(8, 8, 4)
