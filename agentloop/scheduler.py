@@ -403,8 +403,10 @@ class _Run:
             if self._is_final(i):
                 final.append(traj)  # type: ignore[arg-type]
                 continue
-            if traj is None or (traj.status == "aborted" and not self.cfg.partial_rollout):
-                carry.append(dataclasses.replace(job, resume_from=job.resume_from if traj is None else None))
+            if traj is None:  # never started: as it came (with its earlier partial, if partial rollout is on)
+                carry.append(dataclasses.replace(job, resume_from=job.resume_from if self.cfg.partial_rollout else None))
+            elif traj.status == "aborted" and not self.cfg.partial_rollout:
+                carry.append(dataclasses.replace(job, resume_from=None))  # restarts from its prompt
             else:
                 carry.append(dataclasses.replace(job, resume_from=traj))
         sampled = sum(sum(t.response_mask) for t in final)
