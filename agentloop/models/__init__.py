@@ -16,7 +16,7 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
 
 
 def tiny_tool_model() -> Path:
-    """Folder of the shipped tiny tool-calling model (HF format, Qwen2 architecture).
+    """Folder of the shipped tiny tool-calling model (HF format, LlamaForCausalLM, Qwen2.5-style chat).
 
     Pass it anywhere a model path goes: `AutoModelForCausalLM.from_pretrained`, `agentloop serve`,
     SGLang's `--model-path`. Raises FileNotFoundError naming the missing files if the package was
