@@ -63,7 +63,7 @@ KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
 #: Differences the CPU engine should still fix (tolerated until then). Empty: the first list (abort
 #: reason status_code/err_type, tp_size in /server_info, no "code" in error bodies, num_paused_requests
 #: on a failed disk update) was fixed in the CPU engine (75ef683). The ignore_eos/stop_token_ids
-#: behaviour is a strict xfail below.
+#: behaviour (GPU run 2) is fixed too and tested below.
 PENDING_CPU_ENGINE_FIXES: tuple[str, ...] = ()
 
 #: Requests SGLang was sent while a long generate decoded (their labels in the recording).
@@ -319,8 +319,6 @@ def test_error_responses_match_sglang(error_diffs) -> None:
     assert not unexpected, "the CPU engine's error responses differ from SGLang's:\n" + "\n".join(unexpected)
 
 
-@pytest.mark.xfail(strict=True, reason="CPU-engine difference routed to its owner (GPU run 2): sglang 0.5.17 "
-                   "ignores stop_token_ids when ignore_eos is true; when this passes, drop the mark")
 def test_ignore_eos_also_ignores_stop_token_ids(engine_url) -> None:
     """sglang 0.5.17 (`schedule_batch._check_token_based_finish` returns early on ignore_eos; seen on the
     H200 in benchmarks/results/gpu_run2_sglang_tool_runtime.json): with ignore_eos, no token stops a run."""

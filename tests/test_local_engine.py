@@ -118,12 +118,17 @@ async def test_concurrent_requests_share_decode_steps(local_engine: str) -> None
 async def test_stop_token_ids_and_max_new_tokens(local_engine: str, ref_model) -> None:
     expected = ref_greedy(ref_model, PROMPT, 12)
     stop = expected[5]
-    first = expected.index(stop)
+    eos = ref_model.config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    first = next(i for i, t in enumerate(expected) if t == stop or t in eos)
     async with SGLangClient(local_engine) as client:
-        out = await client.generate(PROMPT, GREEDY.replace(stop_token_ids=[stop]))
+        out = await client.generate(PROMPT, GREEDY.replace(ignore_eos=False, stop_token_ids=[stop]))
         # Like SGLang with --skip-tokenizer-init: the matched stop token stays, with its logprob.
-        assert out.finish_reason == {"type": "stop", "matched": stop}
+        assert out.finish_reason == {"type": "stop", "matched": expected[first]}
         assert out.output_ids == expected[: first + 1]
+        # Like sglang 0.5.17: ignore_eos disables stop_token_ids too.
+        free = await client.generate(PROMPT, GREEDY.replace(stop_token_ids=[stop]))
+        assert free.output_ids == expected and free.finish_type == "length"
         assert len(out.output_logprobs) == len(out.output_ids)
         short = await client.generate(PROMPT, GREEDY.replace(max_new_tokens=3))
         assert short.output_ids == expected[:3] and short.finish_reason == {"type": "length", "length": 3}

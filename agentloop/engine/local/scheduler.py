@@ -317,11 +317,15 @@ class Scheduler:
         return [*eos, *r.sampling.stop_token_ids]
 
     def _finish_reason(self, r: Request) -> dict[str, Any] | None:
-        # Same order as SGLang's Req.check_finished: length first, then stop tokens / EOS.
+        # Same order as SGLang's Req.check_finished: length first, then stop tokens / EOS. Like
+        # sglang 0.5.17 (_check_token_based_finish returns early, seen on the H200), ignore_eos
+        # disables every token-based stop, stop_token_ids included.
         if len(r.output_ids) >= r.max_new_tokens:
             return {"type": "length", "length": len(r.output_ids)}
+        if r.sampling.ignore_eos:
+            return None
         last = r.output_ids[-1]
-        if last in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and last in self.runner.eos_token_ids):
+        if last in r.sampling.stop_token_ids or last in self.runner.eos_token_ids:
             return {"type": "stop", "matched": last}
         return None
 
