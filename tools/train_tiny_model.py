@@ -631,7 +631,7 @@ def evaluate_model(model, hf_tok, n: int, seed: int, *, max_turns: int = 4, batc
         "single_call": {"n": len(single), "final_answer_accuracy": frac(final_ok, single)},
         "multi_call": {"n": len(multi), "final_answer_accuracy": frac(final_ok, multi)},
         "eval_seconds": round(time.time() - t0, 1),
-        "failures": failures[:5],
+        "failures": failures,
     }
 
 
@@ -769,12 +769,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--eval-seed must differ from the training seed")
     if args.eval:
         ev = evaluate(args.model or args.out, n=args.eval_n, seed=args.eval_seed, device=args.device)
-        print(json.dumps(ev, indent=2))
+        print(json.dumps(dict(ev, failures=ev["failures"][:5]), indent=2))
         return 0
     info = train(args)
     print(json.dumps(info), flush=True)
     ev = evaluate(args.out, n=args.eval_n, seed=args.eval_seed, device=args.device)
-    print(json.dumps(ev, indent=2), flush=True)
+    print(json.dumps(dict(ev, failures=ev["failures"][:5]), indent=2), flush=True)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     write_card(Path(args.out), info, ev, f"python tools/train_tiny_model.py {argv_text}".strip())
     return 0
