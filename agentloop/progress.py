@@ -123,5 +123,5 @@ class RolloutProgress:
             f"step {self._step}/{self._steps} done: {st.get('completed', 0)} completed, "
             f"{st.get('truncated', 0)} truncated, {st.get('aborted', 0)} aborted, {st.get('failed', 0)} failed; "
             f"{summary.get('tool_calls', 0)} tool calls; {rate}"
-            f"wake-up {secs.get('wake_up', 0):.2f}s, sleep {secs.get('sleep', 0):.2f}s"
+            f"wake-up {secs.get('wake_up', 0):.3f}s, sleep {secs.get('sleep', 0):.3f}s"
         )

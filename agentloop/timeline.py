@@ -44,16 +44,20 @@ def _origin(st: StepTimeline) -> float:
     return min(times) if times else 0.0
 
 
+def _secs(x: float) -> str:
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
 def _phase_marks(records: Sequence[StageRecord], t0: float) -> list[tuple[str, str, float, str]]:
     marks = []
     wake = [r for r in records if r.phase == "wake_up"]
     sleep = [r for r in records if r.phase == "sleep"]
     if wake:
         secs = sum(r.seconds for r in wake)
-        marks.append(("wake_up", "#238b45", max(r.end for r in wake) - t0, f"awake (wake-up {secs:.2f}s)"))
+        marks.append(("wake_up", "#238b45", max(r.end for r in wake) - t0, f"awake (wake-up {_secs(secs)})"))
     if sleep:
         secs = sum(r.seconds for r in sleep)
-        marks.append(("sleep", "#54278f", min(r.start for r in sleep) - t0, f"sleep {secs:.2f}s "))
+        marks.append(("sleep", "#54278f", min(r.start for r in sleep) - t0, f"sleep {_secs(secs)}"))
     return marks
 
 

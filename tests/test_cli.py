@@ -116,5 +116,5 @@ def test_quiet_progress_writes_plain_lines() -> None:
     assert "step 1/2: rolling out 3 trajectories" in lines[0]
     # First and last trajectory are logged (rate-limited in between), with counts.
     assert "step 1/2: 1/3 done" in lines[1] and "3/3 done" in lines[2] and "1 errors" in lines[2]
-    assert "2 completed" in lines[3] and "wake-up 0.50s, sleep 0.25s" in lines[3]
+    assert "2 completed" in lines[3] and "wake-up 0.500s, sleep 0.250s" in lines[3]
     assert "\x1b[" not in buf.getvalue()  # no terminal escapes in log mode

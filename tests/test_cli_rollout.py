@@ -21,8 +21,8 @@ import pytest
 from agentloop.data import arithmetic_prompts
 from agentloop.types import STATUSES, TimelineEvent, Trajectory, TurnRecord
 
-# Engine processes get one torch thread (the CI machine has 2 cores); turns are short.
-FAST = ["--quiet", "--max-new-tokens", "48", "--set", 'runtime.engine.local_args=["--num-threads", "1"]']
+# Short turns; the embedded engine runs one torch thread by default (the CI machine has 2 cores).
+FAST = ["--quiet", "--max-new-tokens", "48"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
