@@ -289,7 +289,8 @@ class _Run:
         # abort until the session has nothing in flight.
         while session.in_flight_rid is not None:
             await self.s.router.abort([session.in_flight_rid])
-            await anyio.sleep(0.2)
+            with anyio.move_on_after(0.2):
+                await session.wait_idle()
 
     def _empty(self, job: Sample, status: str, error: str) -> Trajectory:
         prev = job.resume_from

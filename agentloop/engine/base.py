@@ -11,7 +11,8 @@ Nothing here may be called for generation directly by agent code: generation goe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 #: Memory tags SGLang understands for release/resume (`cuda_graph` since ~0.5.5).
@@ -53,16 +54,19 @@ class SamplingParams:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        out = {k: v for k, v in d.items() if v is not None}
-        out.update(extra)
+        # Shallow on purpose: this runs once per request on the event loop (asdict deep-copies).
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out = {k: (list(v) if isinstance(v, list) else v) for k, v in out.items() if v is not None}
+        out.update(self.extra)
         return out
 
     def replace(self, **changes: Any) -> "SamplingParams":
-        d = asdict(self)
-        d.update(changes)
-        return SamplingParams(**d)
+        new = dataclasses.replace(self, **changes)
+        if "stop_token_ids" not in changes and new.stop_token_ids is not None:
+            new.stop_token_ids = list(new.stop_token_ids)
+        if "extra" not in changes:
+            new.extra = dict(new.extra)
+        return new
 
 
 @dataclass

@@ -182,6 +182,8 @@ class RouteSession:
         self.retries = 0
         self._closed = False
         self._stop_event = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str) -> None:
@@ -193,6 +195,10 @@ class RouteSession:
     @property
     def stopped(self) -> bool:
         return self.stop_reason is not None
+
+    async def wait_idle(self) -> None:
+        """Return once no request of this session is in flight."""
+        await self._idle.wait()
 
     def close(self) -> None:
         """Release the sticky binding (the trajectory has ended)."""
@@ -255,12 +261,14 @@ class RouteSession:
             if self.stopped:
                 return None
             self.in_flight_rid = rid
+            self._idle = anyio.Event()
             self.rids.append(rid)
             router.stats.requests += 1
             try:
                 return await router.lifecycle.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
             finally:
                 self.in_flight_rid = None
+                self._idle.set()
                 self.events.append(TimelineEvent("generate", t1, clock()))
         finally:
             if slot is not None:
