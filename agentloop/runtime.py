@@ -190,9 +190,8 @@ class Runtime:
 
         return SGLangClient(url, generate_timeout=self.config.engine.request_timeout)
 
-    async def _start_embedded(self) -> None:
-        from .engine.local.process import LocalEngineProcess
-
+    def _embedded_model(self) -> Path:
+        """The embedded engine's model folder (`engine.model`, else the shipped tiny tool model)."""
         ecfg = self.config.engine
         if ecfg.model is not None:
             model = Path(ecfg.model)
@@ -203,6 +202,13 @@ class Runtime:
         if not model.is_dir():
             raise RuntimeError_(f"engine.model: {model} is not a model folder")
         self.model_path = str(model)
+        return model
+
+    async def _start_embedded(self) -> None:
+        from .engine.local.process import LocalEngineProcess
+
+        ecfg = self.config.engine
+        model = self._embedded_model()
         procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local_args)) for _ in range(ecfg.num_local_servers)]
         self.processes.extend(procs)
         urls = await _start_all(procs, ecfg.start_timeout)

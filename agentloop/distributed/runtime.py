@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence
 
 import anyio
@@ -39,7 +38,7 @@ from ..config import RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
-from ..runtime import Runtime, RuntimeError_
+from ..runtime import Runtime
 from ..scheduler import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
@@ -267,15 +266,7 @@ class RayRuntime(Runtime):
 
     async def _start_embedded(self) -> None:
         ecfg, rc = self.config.engine, self.ray_config
-        if ecfg.model is not None:
-            model = Path(ecfg.model)
-        else:
-            from ..models import tiny_tool_model
-
-            model = tiny_tool_model()
-        if not model.is_dir():
-            raise RuntimeError_(f"engine.model: {model} is not a model folder")
-        self.model_path = str(model)
+        model = self._embedded_model()
         specs = [EngineSpec("local", str(model), extra_args=tuple(ecfg.local_args), host=rc.engine_host)
                  for _ in range(ecfg.num_local_servers)]
         await self._start_fleet(EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0))
