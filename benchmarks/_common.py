@@ -7,6 +7,7 @@ Owns what the three have in common and nothing else:
   engine, or SGLang with `--load-format dummy` on a config-only folder);
 - **the report header**: exact command, date, git commit, versions (agentloop, torch, transformers,
   sglang if installed; extends `cpu_engine_batching`'s helpers) and hardware (CPU and GPU name);
+- **the run**: `run_benchmark` is each one's `main` (checkpointed JSON, the plot next to it);
 - **the workload**: multi-turn `replay` specs with heavy-tailed turn lengths (a lognormal per-turn
   factor times a lognormal per-trajectory factor, so some trajectories are long as a whole), tool
   latencies from a configurable distribution and tool-result lengths, all from one seed;
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import anyio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,6 +98,39 @@ def result_paths(args: argparse.Namespace, name: str) -> tuple[Path, Path]:
     return out / f"{stem}.json", out / f"{stem}.png"
 
 
+def run_benchmark(name: str, argv: list[str] | None, parse_args: Callable[[list[str]], argparse.Namespace],
+                  definitions: dict[str, str], measure: Callable[..., Any],
+                  plot: Callable[[dict[str, Any], Path], None], *, checkpoints: bool = False,
+                  plot_checkpoints: bool = False) -> int:
+    """A benchmark's `main`: the report is the header, `definitions` and what `measure` returns, written to
+    `result_paths(args, name)` with its plot.
+
+    With `checkpoints`, `measure(args, save)` calls `save(out)` after each finished part, so a run cut short
+    (a timeout on a rented GPU) still leaves its results, and the report says whether it is `complete`;
+    `plot_checkpoints` redraws the plot each time too. Without, `measure(args)` is written once at the end.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    sigterm_as_interrupt()
+    report = header(name, f"benchmarks/{name}.py", argv, args)
+    report["definitions"] = definitions
+    json_path, png_path = result_paths(args, name)
+    if checkpoints:
+        def save(measured: dict[str, Any], complete: bool = False) -> None:
+            report.update(measured, complete=complete)
+            write_json(report, json_path)
+            if complete or plot_checkpoints:
+                plot(report, png_path)
+
+        save(anyio.run(measure, args, save), complete=True)
+    else:
+        report.update(anyio.run(measure, args))
+        write_json(report, json_path)
+        plot(report, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, default=_jsonable) + "\n")
 
@@ -131,7 +166,9 @@ def r4(x: float) -> float:
 
 
 # ------------------------------------------------------------------ command line and engines
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser every rollout benchmark starts from: its docstring's first line and the engine options."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     g = p.add_argument_group("engine")
     g.add_argument("--engine", choices=["cpu", "sglang"], default="cpu", help="which engine serves the model")
     g.add_argument("--engine-url", default=None, help="attach to a running server (default: start one)")
@@ -145,6 +182,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="dummy", help="sglang launch: --load-format")
     g.add_argument("--mem-fraction", type=float, default=0.5, help="sglang launch: --mem-fraction-static")
     g.add_argument("--cuda-graph", action="store_true", help="sglang launch: decode CUDA graphs on")
+    return p
+
+
+def add_turn_args(g: argparse._ArgumentGroup, *, turns: int, prompt_tokens: int, gen_median: float, gen_sigma: float,
+                  traj_sigma: float, gen_max: int) -> None:
+    """The `WorkloadSpec` shape options; the defaults are each benchmark's own (its workload differs)."""
+    g.add_argument("--turns", type=int, default=turns)
+    g.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
+    g.add_argument("--gen-median", type=float, default=gen_median, help="median generated tokens of a turn")
+    g.add_argument("--gen-sigma", type=float, default=gen_sigma, help="lognormal sigma of a turn's length")
+    g.add_argument("--traj-sigma", type=float, default=traj_sigma, help="lognormal sigma of a trajectory's length factor")
+    g.add_argument("--gen-max", type=int, default=gen_max)
 
 
 @dataclass
@@ -229,9 +278,11 @@ def _config_summary(model_dir: Path) -> dict[str, Any]:
     return {k: cfg.get(k) for k in keys if k in cfg}
 
 
-def runtime_config(engine: Engine, *, concurrency: int, max_turn_tokens: int, max_response_tokens: int,
-                   **scheduler: Any) -> dict[str, Any]:
+def runtime_config(engine: Engine, args: argparse.Namespace, *, concurrency: int, **scheduler: Any) -> dict[str, Any]:
     """A `RuntimeConfig` dict attaching to `engine` with the replay loop's needs (ignore_eos, budgets)."""
+    max_turn_tokens = args.gen_max
+    # Never binds: turn and tool-result lengths are clipped to these maxima when the workload is drawn.
+    max_response_tokens = args.turns * (args.gen_max + WorkloadSpec.tool_result_max) + 64
     return {
         "engine": {"urls": [engine.url], "tokenizer": str(engine.tokenizer_dir), "request_timeout": 600.0},
         "scheduler": {"concurrency": concurrency, "trajectory_timeout": 3600.0, **scheduler},
@@ -239,6 +290,17 @@ def runtime_config(engine: Engine, *, concurrency: int, max_turn_tokens: int, ma
                   "max_new_tokens_per_turn": max_turn_tokens, "max_response_tokens": max_response_tokens,
                   "max_context_tokens": max_response_tokens + 1024},
     }
+
+
+@contextlib.asynccontextmanager
+async def left_awake(rt: Any, weights: Callable[[], Any]) -> AsyncIterator[None]:
+    """Wakes the server up again when the block ends, however it ends: it was found awake, and the next
+    runtime (or whoever uses an attached server next) expects it so."""
+    try:
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            await rt.lifecycle.wake_up(weights())
 
 
 # ------------------------------------------------------------------ trainer-side weights
@@ -301,6 +363,20 @@ class WorkloadSpec:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def workload_spec(args: argparse.Namespace, *, trajectories: int, **spec: Any) -> WorkloadSpec:
+    """The workload described by the `add_turn_args` options (and `--tool-result-median`, `--seed`)."""
+    return WorkloadSpec(trajectories=trajectories, turns=args.turns, prompt_tokens=args.prompt_tokens,
+                        gen_median=args.gen_median, gen_sigma=args.gen_sigma, traj_sigma=args.traj_sigma,
+                        gen_max=args.gen_max, tool_result_median=args.tool_result_median, seed=args.seed, **spec)
+
+
+def warm_up_spec() -> WorkloadSpec:
+    """A few short trajectories for the connections, the engine's first forward passes and the client's
+    lookups, so that none of them is timed in the first measured run."""
+    return WorkloadSpec(trajectories=4, turns=2, prompt_tokens=8, gen_median=4, traj_sigma=0, gen_sigma=0,
+                        tool_latency_mean=0.0, tool_result_median=4)
 
 
 def tool_latency(rng: np.random.Generator, dist: str, mean: float, size: int) -> np.ndarray:
@@ -518,6 +594,13 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Closed once written: a benchmark that redraws at every checkpoint would otherwise keep them all."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def title_suffix(report: dict[str, Any]) -> str:

@@ -38,20 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     Engine,
     PeakSampler,
-    add_engine_args,
+    benchmark_parser,
     filler_ids,
-    header,
     median,
-    sigterm_as_interrupt,
     memory_reader,
     open_engine,
     pyplot,
     r4,
-    result_paths,
+    run_benchmark,
+    save_figure,
     title_suffix,
     trainer_weights,
     weights_bytes,
-    write_json,
 )
 
 from agentloop.engine.base import MEMORY_TAGS, SamplingParams  # noqa: E402
@@ -293,14 +291,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     w = report["weights"]
     fig.suptitle(f"Lifecycle cost: agentloop vs raw engine calls; weight update {w['mib']:.1f} MiB in {w['tensors']} tensors\n"
                  f"{title_suffix(report)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(p)
+    p = benchmark_parser(__doc__)
     p.add_argument("--repeats", type=int, default=10, help="cycles of each way (medians are reported)")
     p.add_argument("--memory-repeats", type=int, default=2, help="staged and one-stage cycles with memory polling")
     p.add_argument("--requests", type=int, default=8, help="generations before each sleep")
@@ -315,23 +310,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    sigterm_as_interrupt()
-    report = header("lifecycle", "benchmarks/lifecycle.py", argv, args)
-    report["definitions"] = {
+    return run_benchmark("lifecycle", argv, parse_args, {
         "agentloop": "Lifecycle.sleep() / Lifecycle.wake_up(weights) (staged), stage seconds from Lifecycle.records",
         "raw": "the same SGLangClient calls in the same order, no lifecycle",
         "ratio": "median agentloop seconds / median raw seconds",
         "peak_during_update": "memory in use polled every ms during update_weights_from_tensor",
         "kv_pool": "memory added by resuming kv_cache + cuda_graph in the staged wake-up",
-    }
-    report.update(anyio.run(measure, args))
-    json_path, png_path = result_paths(args, "lifecycle")
-    write_json(report, json_path)
-    plot(report, png_path)
-    print(f"wrote {json_path} and {png_path}")
-    return 0
+    }, measure, plot)
 
 
 if __name__ == "__main__":

@@ -32,24 +32,24 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
-import anyio
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     WorkloadSpec,
-    add_engine_args,
-    header,
+    add_turn_args,
+    benchmark_parser,
+    left_awake,
     make_workload,
     open_engine,
     pyplot,
     r4,
-    sigterm_as_interrupt,
-    result_paths,
+    run_benchmark,
     runtime_config,
+    save_figure,
     title_suffix,
     trainer_weights,
+    warm_up_spec,
+    workload_spec,
     workload_stats,
-    write_json,
 )
 
 from agentloop.engine.lifecycle import Weights  # noqa: E402
@@ -121,10 +121,8 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
 async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Both ways; `save(out)` after each, so a run cut short still leaves its results."""
     out: dict[str, Any] = {}
-    spec = WorkloadSpec(trajectories=10_000 // args.group_size * args.group_size, turns=args.turns,
-                        prompt_tokens=args.prompt_tokens, gen_median=args.gen_median, gen_sigma=args.gen_sigma,
-                        traj_sigma=args.traj_sigma, gen_max=args.gen_max, tool_latency_mean=args.tool_latency_mean,
-                        tool_result_median=args.tool_result_median, seed=args.seed)
+    spec = workload_spec(args, trajectories=10_000 // args.group_size * args.group_size,
+                         tool_latency_mean=args.tool_latency_mean)
     first = make_workload(WorkloadSpec(**{**spec.as_dict(), "trajectories": args.target_groups * args.group_size}))
     out["workload"] = {"spec": {**spec.as_dict(), "trajectories": "stream"},
                        "first_step_wait_all": workload_stats(first)}
@@ -132,26 +130,19 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     async with open_engine(args, max_running=max(256, total)) as engine:
         out["engine"] = engine.description
         weights_sd = trainer_weights(engine)
-        max_resp = args.turns * (args.gen_max + WorkloadSpec.tool_result_max) + 64
-        cfg = runtime_config(engine, concurrency=total, max_turn_tokens=args.gen_max, max_response_tokens=max_resp,
-                             n=1)
-        async with Runtime(cfg) as rt:
-            try:
-                warm = WorkloadSpec(trajectories=4, turns=2, prompt_tokens=8, gen_median=4, traj_sigma=0, gen_sigma=0,
-                                    tool_latency_mean=0.0, tool_result_median=4)
-                await rt.step([m for g in group_stream(warm, 2, "warm") for m in g], Weights(state_dict=weights_sd, version="v0"))
-                modes: dict[str, list[dict[str, Any]]] = {}
-                out["steps"] = modes
-                ways = {mode: run_mode(rt, mode, args, spec, weights_sd) for mode in ("wait_all", "oversample")}
-                for k in range(args.steps):
-                    for mode in (("wait_all", "oversample") if k % 2 == 0 else ("oversample", "wait_all")):
-                        modes.setdefault(mode, []).append(await ways[mode].__anext__())
-                    save(out)
-                for way in ways.values():
-                    await way.aclose()
-            finally:
-                with anyio.CancelScope(shield=True):  # leave the server awake, as it was found
-                    await rt.lifecycle.wake_up(Weights(state_dict=weights_sd, version="final"))  # type: ignore[union-attr]
+        cfg = runtime_config(engine, args, concurrency=total, n=1)
+        async with Runtime(cfg) as rt, left_awake(rt, lambda: Weights(state_dict=weights_sd, version="final")):
+            await rt.step([m for g in group_stream(warm_up_spec(), 2, "warm") for m in g],
+                          Weights(state_dict=weights_sd, version="v0"))
+            modes: dict[str, list[dict[str, Any]]] = {}
+            out["steps"] = modes
+            ways = {mode: run_mode(rt, mode, args, spec, weights_sd) for mode in ("wait_all", "oversample")}
+            for k in range(args.steps):
+                for mode in (("wait_all", "oversample") if k % 2 == 0 else ("oversample", "wait_all")):
+                    modes.setdefault(mode, []).append(await ways[mode].__anext__())
+                save(out)
+            for way in ways.values():
+                await way.aclose()
     summary: dict[str, Any] = {}
     for mode, steps in modes.items():
         summary[mode] = {
@@ -205,25 +196,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Time to {st['target_groups']} complete groups of {st['group_size']}: mean step "
                  f"{s['wait_all']['mean_step_s']:.2f}s -> {s['oversample']['mean_step_s']:.2f}s "
                  f"({-100 * s['step_time_reduction']:+.0f}% step time)\n{title_suffix(report)}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(p)
+    p = benchmark_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--target-groups", type=int, default=8)
     w.add_argument("--group-size", type=int, default=4)
     w.add_argument("--oversample", type=float, default=1.5, help="groups in flight per step = ceil(target x this)")
     w.add_argument("--steps", type=int, default=6)
-    w.add_argument("--turns", type=int, default=2)
-    w.add_argument("--prompt-tokens", type=int, default=32)
-    w.add_argument("--gen-median", type=float, default=16.0)
-    w.add_argument("--gen-sigma", type=float, default=0.4)
-    w.add_argument("--traj-sigma", type=float, default=1.5, help="lognormal sigma of a trajectory's length factor")
-    w.add_argument("--gen-max", type=int, default=512)
+    add_turn_args(w, turns=2, prompt_tokens=32, gen_median=16.0, gen_sigma=0.4, traj_sigma=1.5, gen_max=512)
     w.add_argument("--tool-latency-mean", type=float, default=0.02)
     w.add_argument("--tool-result-median", type=float, default=8.0)
     w.add_argument("--seed", type=int, default=0)
@@ -235,28 +218,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    sigterm_as_interrupt()
-    report = header("long_tail", "benchmarks/long_tail.py", argv, args)
-    report["definitions"] = {
+    return run_benchmark("long_tail", argv, parse_args, {
         "step_s": "Runtime.step seconds: staged wake-up with new weights + rollout + sleep (which aborts stragglers)",
         "step_time_reduction": "1 - mean oversample step seconds / mean wait_all step seconds",
         "steady_state_step_time_reduction": "the same over steps after the first (carry-over in play)",
         "last_returned_done_s": "seconds from the rollout's start until the last returned trajectory was handed over "
                                 "(on_trajectory); stop_tail_s = rollout seconds - that (the early stop's cost)",
-    }
-    json_path, png_path = result_paths(args, "long_tail")
-
-    def save(measured: dict[str, Any], complete: bool = False) -> None:
-        report.update(measured, complete=complete)
-        write_json(report, json_path)
-        if complete:
-            plot(report, png_path)
-
-    save(anyio.run(measure, args, save), complete=True)
-    print(f"wrote {json_path} and {png_path}")
-    return 0
+    }, measure, plot, checkpoints=True)
 
 
 if __name__ == "__main__":

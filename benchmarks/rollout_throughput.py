@@ -41,22 +41,24 @@ from _common import (  # noqa: E402
     BusySampler,
     Engine,
     WorkloadSpec,
-    add_engine_args,
+    add_turn_args,
+    benchmark_parser,
     filler_ids,
-    header,
     interval_stats,
+    left_awake,
     make_workload,
     median,
-    sigterm_as_interrupt,
     open_engine,
     pyplot,
     r4,
-    result_paths,
+    run_benchmark,
     runtime_config,
+    save_figure,
     title_suffix,
     trainer_weights,
+    warm_up_spec,
+    workload_spec,
     workload_stats,
-    write_json,
 )
 
 from agentloop.engine.base import SamplingParams  # noqa: E402
@@ -202,7 +204,6 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     async with open_engine(args, max_running=max(256, max(args.concurrency))) as engine:
         out["engine"] = engine.description
         weights_sd = trainer_weights(engine)
-        max_resp = args.turns * (args.gen_max + WorkloadSpec.tool_result_max) + 64  # never binds: lengths are clipped
         step = 0
 
         def weights() -> Weights:
@@ -210,52 +211,41 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
             step += 1
             return Weights(state_dict=weights_sd, version=f"w{step}")
 
-        specs = [WorkloadSpec(trajectories=args.trajectories, turns=args.turns, prompt_tokens=args.prompt_tokens,
-                              gen_median=args.gen_median, gen_sigma=args.gen_sigma, traj_sigma=args.traj_sigma,
-                              gen_max=args.gen_max, tool_latency_dist=args.tool_latency_dist, tool_latency_mean=lat,
-                              tool_result_median=args.tool_result_median, seed=args.seed)
+        specs = [workload_spec(args, trajectories=args.trajectories, tool_latency_dist=args.tool_latency_dist,
+                               tool_latency_mean=lat)
                  for lat in args.tool_latency_means]
         works = [make_workload(spec) for spec in specs]
         for conc in args.concurrency:
             # Every trajectory of the step starts (scheduler concurrency = N); the router holds at most
             # `conc` requests in flight on the server — the same engine-side cap as the other two modes.
             # (The router's per-server limit is fixed when the runtime starts: one runtime per level.)
-            cfg = runtime_config(engine, concurrency=args.trajectories, max_turn_tokens=args.gen_max,
-                                 max_response_tokens=max_resp, per_server_concurrency=conc)
-            async with Runtime(cfg) as rt:
-                try:
-                    # Warm-up: connections, the engine's first forward passes, the client's lookups.
-                    warm = make_workload(WorkloadSpec(trajectories=4, turns=2, prompt_tokens=8, gen_median=4,
-                                                      traj_sigma=0, gen_sigma=0, tool_latency_mean=0.0,
-                                                      tool_result_median=4))
-                    await run_agentloop(rt, engine, warm, 8, 4, weights(), f"warm{conc}")
-                    await run_ceiling(rt, engine, warm, 8, 4, weights())
-                    for lat, spec, work in zip(args.tool_latency_means, specs, works):
-                        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-                        for rep in range(args.repeats):
-                            order = MODES[rep % 3:] + MODES[:rep % 3]  # rotate: no mode always goes first
-                            for mode in order:
-                                if mode == "ceiling":
-                                    r = await run_ceiling(rt, engine, work, args.prompt_tokens, conc, weights())
-                                elif mode == "turn_sync":
-                                    r = await run_turn_sync(rt, engine, work, args.prompt_tokens, conc, weights())
-                                else:
-                                    r = await run_agentloop(rt, engine, work, args.prompt_tokens, args.trajectories,
-                                                            weights(), f"l{lat}c{conc}r{rep}")
-                                r.update(tool_latency_mean_s=lat, concurrency=conc, repeat=rep)
-                                runs[mode].append(r)
-                                out["runs"].append(r)
-                        point = summarize_point(lat, conc, spec, work, runs)
-                        out["points"].append(point)
-                        save(out)
-                        print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s ceiling {point['ceiling']['tokens_per_s']:9.1f}  "
-                              f"agentloop {point['agentloop']['tokens_per_s']:9.1f}  turn-sync {point['turn_sync']['tokens_per_s']:9.1f}  "
-                              f"agentloop/ceiling {point['agentloop_over_ceiling']:.3f}  "
-                              f"agentloop/turn-sync {point['agentloop_over_turn_sync']:.3f}", flush=True)
-                finally:
-                    # Leave the server awake (as it was found) for the next runtime or whoever uses it next.
-                    with anyio.CancelScope(shield=True):
-                        await rt.lifecycle.wake_up(weights())  # type: ignore[union-attr]
+            cfg = runtime_config(engine, args, concurrency=args.trajectories, per_server_concurrency=conc)
+            async with Runtime(cfg) as rt, left_awake(rt, weights):
+                warm = make_workload(warm_up_spec())
+                await run_agentloop(rt, engine, warm, 8, 4, weights(), f"warm{conc}")
+                await run_ceiling(rt, engine, warm, 8, 4, weights())
+                for lat, spec, work in zip(args.tool_latency_means, specs, works):
+                    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+                    for rep in range(args.repeats):
+                        order = MODES[rep % 3:] + MODES[:rep % 3]  # rotate: no mode always goes first
+                        for mode in order:
+                            if mode == "ceiling":
+                                r = await run_ceiling(rt, engine, work, args.prompt_tokens, conc, weights())
+                            elif mode == "turn_sync":
+                                r = await run_turn_sync(rt, engine, work, args.prompt_tokens, conc, weights())
+                            else:
+                                r = await run_agentloop(rt, engine, work, args.prompt_tokens, args.trajectories,
+                                                        weights(), f"l{lat}c{conc}r{rep}")
+                            r.update(tool_latency_mean_s=lat, concurrency=conc, repeat=rep)
+                            runs[mode].append(r)
+                            out["runs"].append(r)
+                    point = summarize_point(lat, conc, spec, work, runs)
+                    out["points"].append(point)
+                    save(out)
+                    print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s ceiling {point['ceiling']['tokens_per_s']:9.1f}  "
+                          f"agentloop {point['agentloop']['tokens_per_s']:9.1f}  turn-sync {point['turn_sync']['tokens_per_s']:9.1f}  "
+                          f"agentloop/ceiling {point['agentloop_over_ceiling']:.3f}  "
+                          f"agentloop/turn-sync {point['agentloop_over_turn_sync']:.3f}", flush=True)
     return out
 
 
@@ -306,22 +296,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     s = report["settings"]
     fig.suptitle(f"Rollout throughput: {s['trajectories']} trajectories x {s['turns']} turns, heavy-tailed lengths "
                  f"(median {s['gen_median']:g} tok)\n{title_suffix(report)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(p)
+    p = benchmark_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--trajectories", type=int, default=48)
-    w.add_argument("--turns", type=int, default=3)
-    w.add_argument("--prompt-tokens", type=int, default=64)
-    w.add_argument("--gen-median", type=float, default=16.0, help="median generated tokens of a turn")
-    w.add_argument("--gen-sigma", type=float, default=0.6, help="lognormal sigma of a turn's length")
-    w.add_argument("--traj-sigma", type=float, default=0.6, help="lognormal sigma of a trajectory's length factor")
-    w.add_argument("--gen-max", type=int, default=256)
+    add_turn_args(w, turns=3, prompt_tokens=64, gen_median=16.0, gen_sigma=0.6, traj_sigma=0.6, gen_max=256)
     w.add_argument("--tool-latency-dist", choices=["lognormal", "exponential", "constant"], default="lognormal")
     w.add_argument("--tool-latency-means", type=float, nargs="+", default=[0.02, 0.2], help="seconds (a sweep)")
     w.add_argument("--tool-result-median", type=float, default=16.0, help="median tokens of a tool result")
@@ -336,11 +318,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    sigterm_as_interrupt()
-    report = header("rollout_throughput", "benchmarks/rollout_throughput.py", argv, args)
-    report["definitions"] = {
+    return run_benchmark("rollout_throughput", argv, parse_args, {
         "ceiling": "every turn as an independent request (same context length and generated tokens), all submitted "
                    "at once, at most `concurrency` in flight, longest first",
         "agentloop": "Runtime.step with the replay agent loop: every trajectory started, at most `concurrency` "
@@ -357,17 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": "agentloop_over_X: median over repeats of (agentloop tokens/s / X tokens/s) within one repeat (the "
                   "three run back to back, order rotating); _of_medians: ratio of the medians; same workload, same "
                   "engine, same process",
-    }
-    json_path, png_path = result_paths(args, "rollout_throughput")
-
-    def save(measured: dict[str, Any], complete: bool = False) -> None:
-        report.update(measured, complete=complete)
-        write_json(report, json_path)
-        plot(report, png_path)
-
-    save(anyio.run(measure, args, save), complete=True)
-    print(f"wrote {json_path} and {png_path}")
-    return 0
+    }, measure, plot, checkpoints=True, plot_checkpoints=True)
 
 
 if __name__ == "__main__":
