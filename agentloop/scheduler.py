@@ -442,4 +442,8 @@ def with_overrides(config: SchedulerConfig, overrides: Mapping[str, Any]) -> Sch
     unknown = sorted(set(overrides) - set(SchedulerConfig.model_fields))
     if unknown:
         raise TypeError(f"unknown scheduler settings {unknown}; known: {sorted(SchedulerConfig.model_fields)}")
+    # The router's per-server slots are built once at start; a per-step value would be silently ignored.
+    if "per_server_concurrency" in overrides and overrides["per_server_concurrency"] != config.per_server_concurrency:
+        raise TypeError("per_server_concurrency is fixed when the runtime starts (the router's per-server limit); "
+                        "set it in RuntimeConfig.scheduler, not per step")
     return SchedulerConfig.model_validate({**config.model_dump(), **overrides})

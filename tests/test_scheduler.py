@@ -188,3 +188,15 @@ async def test_stop_mid_step_carries_everything_over() -> None:
     assert res.trajectories == [] and len(res.carry_over) == 4
     assert sum(c.resume_from is not None for c in res.carry_over) == 2  # two had started
     assert eng.released and eng.in_flight == 0
+
+
+def test_per_step_override_of_a_start_time_setting_is_refused() -> None:
+    from agentloop.config import SchedulerConfig
+    from agentloop.scheduler import with_overrides
+
+    cfg = SchedulerConfig(per_server_concurrency=4)
+    assert with_overrides(cfg, {"n": 3, "per_server_concurrency": 4}).n == 3
+    with pytest.raises(TypeError, match="per_server_concurrency is fixed when the runtime starts"):
+        with_overrides(cfg, {"per_server_concurrency": 2})
+    with pytest.raises(TypeError, match="unknown scheduler settings"):
+        with_overrides(cfg, {"concurency": 2})
