@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS = {
     "rollout": "agentloop.commands.rollout",
     "config": "agentloop.commands.config",
-    "serve": "agentloop.engine.local.server",
+    "serve": "agentloop.commands.serve",
 }
 
 

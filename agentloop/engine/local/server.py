@@ -416,7 +416,7 @@ def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None) ->
     return app
 
 
-# ---- `agentloop serve` -------------------------------------------------------------------------
+# ---- `agentloop serve` (arguments in agentloop/commands/serve.py, kept light for the CLI) ----------
 def _default_model() -> str | None:
     try:
         from agentloop.models import tiny_tool_model  # type: ignore[attr-defined]
@@ -426,27 +426,6 @@ def _default_model() -> str | None:
         return str(tiny_tool_model())
     except Exception:  # noqa: BLE001 - a missing shipped model just means --model is required
         return None
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the CPU reference engine over SGLang's HTTP API")
-    p.add_argument("--model", default=None, help="HF causal LM folder (default: the shipped tiny tool model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192,
-                   help="padded tokens of one batched prefill forward (a longer single prompt still runs alone)")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument(
-        "--return-original-logprob", action="store_true",
-        help="report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs",
-    )
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
