@@ -139,7 +139,9 @@ async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: P
 
 
 async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> None:
-    cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"concurrency": 4}}
+    # A first turn long enough (1000 tokens) that no machine finishes it in the 0.2 s before the sleep.
+    cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"concurrency": 4},
+           "agent": {"max_new_tokens_per_turn": 1000, "max_response_tokens": 1100}}
     async with Runtime(cfg) as rt:
         in_flight_at_release: list[int] = []
         c = rt.clients[0]
@@ -150,7 +152,7 @@ async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> No
             return await release(tags)
 
         c.release_memory_occupation = recording_release  # type: ignore[method-assign]
-        long = [{"gen_tokens": 160, "tool_latency_s": 0.0, "tool_result_tokens": 2}, {"gen_tokens": 4}]
+        long = [{"gen_tokens": 1000, "tool_latency_s": 0.0, "tool_result_tokens": 2}, {"gen_tokens": 4}]
         samples = replay_samples(4, long)
         box: dict[str, Any] = {}
 
@@ -169,7 +171,7 @@ async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> No
         assert res.trajectories == [] and len(res.carry_over) == 4
         partial = [c.resume_from for c in res.carry_over]
         assert all(p is not None and p.status == "aborted" for p in partial)
-        assert all(len(p.response_ids) < 160 for p in partial)
+        assert all(len(p.response_ids) < 1000 for p in partial)
         assert sum(len(p.response_ids) for p in partial) > 0  # the tokens sampled before the abort are kept
 
         res2 = await rt.step(res.carry_over)  # step 2: the partials continue and finish
@@ -177,7 +179,7 @@ async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> No
         for t, p in zip(res2.trajectories, partial):
             t.check_invariants()
             assert t.response_ids[: len(p.response_ids)] == p.response_ids
-            assert len(t.response_ids) == 160 + 2 + 4
+            assert len(t.response_ids) == 1000 + 2 + 4
 
 
 async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None:
