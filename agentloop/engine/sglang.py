@@ -38,8 +38,6 @@ like `Engine._serialize_tensors_per_rank`), imported lazily so this module needs
 from __future__ import annotations
 
 import asyncio
-import base64
-import functools
 import json
 import logging
 import uuid
@@ -50,6 +48,7 @@ import aiohttp
 import anyio
 
 from .base import MEMORY_TAGS, EngineError, EngineUnavailable, GenerateOutput, PauseMode, SamplingParams, parse_generate_response
+from .weight_payloads import cuda_ipc_payloads, hf_param_shapes, safetensors_payload
 
 log = logging.getLogger(__name__)
 
@@ -89,59 +88,6 @@ def error_message(body: bytes | str) -> str:
         if "message" in data:
             return str(data["message"])
     return text.strip()
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_param_shapes_cached(folder: str, mtime_ns: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return tuple((n, tuple(t.shape)) for n, t in model.state_dict().items())
-
-
-def hf_param_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every tensor in the state dict of the HF model in `folder` (built on the meta
-    device from its config.json: no weights are read). Tied weights appear under both names.
-    Cached per process (keyed by the config's mtime): building it takes about a second."""
-    cfg = Path(folder) / "config.json"
-    return dict(_hf_param_shapes_cached(str(Path(folder).resolve()), cfg.stat().st_mtime_ns))
-
-
-def safetensors_payload(named_tensors: Sequence[tuple[str, Any]]) -> str:
-    """Base64 of `safetensors.torch.save` bytes of the named tensors (the CPU engine's tensor transport)."""
-    from safetensors.torch import save
-
-    tensors: dict[str, Any] = {}
-    for name, t in named_tensors:
-        if name in tensors:
-            raise ValueError(f"tensor name {name!r} appears twice in the weight update")
-        # safetensors wants dense CPU tensors that own their storage (no shared views).
-        tensors[name] = t.detach().to("cpu").contiguous().clone()
-    return base64.b64encode(save(tensors)).decode("ascii")
-
-
-def cuda_ipc_payloads(named_tensors: Sequence[tuple[str, Any]], tp_size: int) -> list[str]:
-    """SGLang's own HTTP payloads: one `MultiprocessingSerializer` string per TP rank.
-
-    Each TP rank deserializes only its own copy (`tp_worker._deserialize_own_rank`), so producer-side
-    CUDA-IPC refcounts drop cleanly. Tensors must live on a CUDA device of this node; CPU tensors are
-    moved to the current device (the caller keeps the list alive until the HTTP call returns).
-    """
-    import torch
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    # Device UUIDs instead of indices in the IPC handles: the server may see other CUDA_VISIBLE_DEVICES.
-    monkey_patch_torch_reductions()
-    if not torch.cuda.is_available():
-        raise EngineError("/update_weights_from_tensor", None,
-                          "CUDA IPC transport needs CUDA tensors but this process has no CUDA device")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    named = [(n, t.detach().to(dev) if t.device.type != "cuda" else t.detach()) for n, t in named_tensors]
-    return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(max(1, tp_size))]
 
 
 class SGLangClient:
