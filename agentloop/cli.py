@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "rollout": "agentloop.commands.rollout",
+    "rollout": "agentloop.commands.rollout_args",
     "config": "agentloop.commands.config",
     "serve": "agentloop.commands.serve",
 }

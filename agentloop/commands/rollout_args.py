@@ -1,0 +1,100 @@
+"""`agentloop rollout`'s command line: its flags, and how they map onto `RolloutConfig` fields.
+
+Kept apart from the run itself (`rollout.py`) so building the parser imports no runtime or engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import yaml
+
+from ..rollout_config import ConfigError, RolloutConfig
+
+#: flag dest → (dotted config field, flag as typed). Flags override the YAML file.
+FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "data": ("data", "--data"),
+    "out": ("out", "--out"),
+    "steps": ("steps", "--steps"),
+    "prompts_per_step": ("prompts_per_step", "--prompts-per-step"),
+    "on_bad_row": ("on_bad_row", "--on-bad-row"),
+    "engine_url": ("runtime.engine.urls", "--engine-url"),
+    "model": ("runtime.engine.model", "--model"),
+    "n": ("runtime.scheduler.n", "--n"),
+    "concurrency": ("runtime.scheduler.concurrency", "--concurrency"),
+    "max_new_tokens": ("runtime.agent.max_new_tokens_per_turn", "--max-new-tokens"),
+    "temperature": ("runtime.agent.temperature", "--temperature"),
+    "seed": ("runtime.agent.seed", "--seed"),
+}
+
+
+def _default(dotted: str) -> Any:
+    obj: Any = RolloutConfig()
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "rollout",
+        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png)",
+        description="Turn a prompt dataset into trajectory files, one training step at a time. "
+        "Defaults of every setting: `agentloop config --show`.",
+    )
+
+    def h(dest: str, text: str) -> str:
+        dotted, _ = FLAG_FIELDS[dest]
+        return f"{text} (default: {_default(dotted)!r}; config field: {dotted})"
+
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML settings file (see `agentloop config --show`)")
+    p.add_argument("--data", metavar="FILE", help=h("data", "prompts, .jsonl or .parquet; none: the bundled arithmetic prompts"))
+    p.add_argument("--out", metavar="DIR", help=h("out", "output folder"))
+    p.add_argument("--engine-url", metavar="URL", action="append",
+                   help=h("engine_url", "a running SGLang(-compatible) server; repeat for several. None: the embedded CPU engine"))
+    p.add_argument("--model", metavar="DIR", help=h("model", "model folder for the embedded CPU engine"))
+    p.add_argument("--steps", type=int, metavar="N", help=h("steps", "steps (wake-up → roll out → sleep)"))
+    p.add_argument("--prompts-per-step", type=int, metavar="N", help=h("prompts_per_step", "prompts per step"))
+    p.add_argument("--n", type=int, metavar="N", help=h("n", "trajectories per prompt (GRPO group size)"))
+    p.add_argument("--concurrency", type=int, metavar="N", help=h("concurrency", "trajectories in flight at once"))
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "tokens per model turn"))
+    p.add_argument("--temperature", type=float, metavar="T", help=h("temperature", "sampling temperature"))
+    p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed"))
+    p.add_argument("--on-bad-row", choices=("skip", "stop"), help=h("on_bad_row", "what a bad dataset row does"))
+    p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
+                   help="set any config field by its dotted name, VALUE parsed as YAML "
+                   "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
+    p.add_argument("--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
+    p.set_defaults(func=run)
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """{dotted field: (value, flag)} for every flag given on the command line."""
+    out: dict[str, tuple[Any, str]] = {}
+    for item in getattr(args, "set", None) or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=3")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {e}") from None
+        out[key.strip()] = (value, f"--set {key.strip()}")
+    for dest, (dotted, flag) in FLAG_FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[dotted] = (value, flag)
+    if getattr(args, "quiet", None):
+        out["quiet"] = (True, "--quiet")
+    if getattr(args, "timeline", None) is False:
+        out["timeline"] = (False, "--no-timeline")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import rollout
+
+    return rollout.run(args)
