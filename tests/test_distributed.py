@@ -61,7 +61,8 @@ def config(model: Path, servers: int) -> dict[str, Any]:
     return {
         "engine": {"model": str(model), "num_local_servers": servers, "local_args": ENGINE_ARGS},
         "scheduler": {"n": 2},
-        "agent": {"temperature": 0.0, "seed": 7},
+        # Turns up to 1000 tokens: the sleep-mid-step test needs a first turn no machine finishes before the sleep.
+        "agent": {"temperature": 0.0, "seed": 7, "max_new_tokens_per_turn": 1000, "max_response_tokens": 1100},
     }
 
 
@@ -259,7 +260,8 @@ def test_work_goes_to_whichever_worker_is_free(rt: RayRuntime) -> None:
 
 
 def test_sleep_mid_step_drains_every_worker_then_resumes(rt: RayRuntime) -> None:
-    spec = {"prompt_tokens": 12, "turns": [{"gen_tokens": 160, "tool_result_tokens": 2}, {"gen_tokens": 4}]}
+    # 1000 tokens: long enough that no machine finishes the first turn before the sleep (160 did, in CI).
+    spec = {"prompt_tokens": 12, "turns": [{"gen_tokens": 1000, "tool_result_tokens": 2}, {"gen_tokens": 4}]}
     samples = [Sample(uid=f"m{i}", messages=[{"role": "user", "content": "x"}], agent="replay", extra={"replay": spec})
                for i in range(2)]
     slept: list[float] = []
@@ -280,14 +282,14 @@ def test_sleep_mid_step_drains_every_worker_then_resumes(rt: RayRuntime) -> None
     assert all(s["in_flight"] == 0 and s["gate"] == "SLEEPING" for s in on_portal(rt, rt.worker_stats))
     assert res.trajectories == [] and len(res.carry_over) == 4
     partial = {c.uid: c.resume_from for c in res.carry_over}
-    assert all(p is not None and p.status == "aborted" and len(p.response_ids) < 160 for p in partial.values())
+    assert all(p is not None and p.status == "aborted" and len(p.response_ids) < 1000 for p in partial.values())
     assert sum(len(p.response_ids) for p in partial.values()) > 0  # tokens sampled before the abort are kept
     res2 = rt.step_sync(res.carry_over)  # the partials continue, on whichever worker is free
     assert [t.status for t in res2.trajectories] == ["completed"] * 4
     for t in res2.trajectories:
         t.check_invariants()
         p = partial[t.uid]
-        assert t.response_ids[: len(p.response_ids)] == p.response_ids and len(t.response_ids) == 160 + 2 + 4
+        assert t.response_ids[: len(p.response_ids)] == p.response_ids and len(t.response_ids) == 1000 + 2 + 4
 
 
 def test_oversampling_stops_on_every_worker_and_carries_over(rt: RayRuntime) -> None:
