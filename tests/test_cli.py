@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,19 @@ def test_config_show_is_documented_and_loads_back(tmp_path: Path, capsys: pytest
     assert load_config(f) == RolloutConfig()
     assert main(["config", "--check", str(f)]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["runtime"]["scheduler"]["n"] == 2
+
+
+def test_python_dash_m_agentloop_runs_the_cli(tmp_path: Path) -> None:
+    """`python -m agentloop ...` is the same command as the `agentloop` script (exit status included)."""
+    show = subprocess.run([sys.executable, "-m", "agentloop", "config", "--show"], capture_output=True, text=True,
+                          timeout=60)
+    assert show.returncode == 0, show.stderr
+    assert show.stdout == defaults_yaml()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 2\n")
+    check = subprocess.run([sys.executable, "-m", "agentloop", "config", "--check", str(bad)], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 2 and f"{bad}:1:1: stepz: unknown field" in check.stderr
 
 
 def test_bad_config_names_field_and_position(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

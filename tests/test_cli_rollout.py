@@ -27,7 +27,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def rollout_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agentloop.cli", "rollout", *args]
+    return [sys.executable, "-m", "agentloop", "rollout", *args]
 
 
 def run_rollout(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
