@@ -93,6 +93,21 @@ def test_rollout_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None
     assert "config field: runtime.scheduler.n" in out
 
 
+def test_engine_url_takes_several_urls_per_flag_or_repeated() -> None:
+    from agentloop.commands.rollout_args import overrides_from_args
+
+    parser = build_parser()
+    one_flag = parser.parse_args(["rollout", "--engine-url", "http://a:1", "http://b:2", "--steps", "1"])
+    repeated = parser.parse_args(["rollout", "--engine-url", "http://a:1", "--engine-url", "http://b:2", "http://c:3"])
+    assert one_flag.engine_url == ["http://a:1", "http://b:2"] and one_flag.steps == 1
+    assert repeated.engine_url == ["http://a:1", "http://b:2", "http://c:3"]
+    cfg = load_config(None, overrides_from_args(one_flag))
+    assert cfg.runtime.engine.urls == ["http://a:1", "http://b:2"]
+    assert parser.parse_args(["rollout"]).engine_url is None  # no flag: the config file's urls stay
+    assert parser.parse_args(["rollout", "-q"]).quiet is True
+    assert load_config(None, overrides_from_args(parser.parse_args(["rollout", "-q"]))).quiet is True
+
+
 def test_bad_rows_stop_or_skip_before_any_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "What is 1 + 2?"}) + "\n{oops\n" + json.dumps({"prompt": ""}) + "\n")

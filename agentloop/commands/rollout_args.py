@@ -51,8 +51,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--config", metavar="FILE.yaml", help="YAML settings file (see `agentloop config --show`)")
     p.add_argument("--data", metavar="FILE", help=h("data", "prompts, .jsonl or .parquet; none: the bundled arithmetic prompts"))
     p.add_argument("--out", metavar="DIR", help=h("out", "output folder"))
-    p.add_argument("--engine-url", metavar="URL", action="append",
-                   help=h("engine_url", "a running SGLang(-compatible) server; repeat for several. None: the embedded CPU engine"))
+    # extend + nargs="+": `--engine-url A B` and `--engine-url A --engine-url B` both give [A, B].
+    p.add_argument("--engine-url", metavar="URL", action="extend", nargs="+",
+                   help=h("engine_url", "running SGLang(-compatible) servers, one or several (`--engine-url A B`, or the "
+                          "flag repeated). None: the embedded CPU engine"))
     p.add_argument("--model", metavar="DIR", help=h("model", "model folder for the embedded CPU engine"))
     p.add_argument("--steps", type=int, metavar="N", help=h("steps", "steps (wake-up → roll out → sleep)"))
     p.add_argument("--prompts-per-step", type=int, metavar="N", help=h("prompts_per_step", "prompts per step"))
@@ -65,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
                    help="set any config field by its dotted name, VALUE parsed as YAML "
                    "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
-    p.add_argument("--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
+    p.add_argument("-q", "--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
     p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
     p.set_defaults(func=run)
     return p
