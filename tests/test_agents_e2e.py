@@ -249,6 +249,41 @@ async def test_simulated_user_asks_a_second_question_to_the_tiny_model(tiny_engi
     assert traj.reward is not None
 
 
+async def test_interaction_loop_from_a_dataset_row_with_the_tiny_model(tiny_engine: Engine) -> None:
+    """A row `agent: interaction` naming its simulated user (`interaction: scripted_user`) runs the
+    `interaction` loop; the context has no hook: the user comes from the row."""
+    from transformers import AutoTokenizer
+
+    from agentloop.agents import registered_agents
+    from agentloop.dataset import row_to_sample
+    from agentloop.tasks.arithmetic import generate_questions
+    from agentloop.tools import ToolRegistry
+    from agentloop.tools.builtin.calculator import CalculatorTool
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_engine.model_dir))
+    client = SGLangClient(tiny_engine.url)
+    q1, q2 = generate_questions(2, seed=5)
+    row = {"prompt": q1.question, "agent": "interaction", "interaction": "scripted_user",
+           "user_turns": [q2.question], "ground_truth": q2.answer, "reward": "arithmetic"}
+    s = row_to_sample(row, default_uid="row0", known_agents=registered_agents())
+    rec = Recorder(Lifecycle([client]), tiny_engine.url, s.uid)
+    cfg = AgentConfig(max_assistant_turns=6, max_response_tokens=600, max_context_tokens=1500,
+                      max_new_tokens_per_turn=96, sampling=SamplingParams(temperature=0.0))
+    ctx = AgentContext(generate=rec, tokenizer=tok, config=cfg, tools=ToolRegistry([CalculatorTool()]))
+    try:
+        traj = await get_agent(s.agent).run(s, ctx)
+        await score(traj, s)
+    finally:
+        await client.close()
+    assert traj.status == "completed" and traj.extra["user_turns"] == 1, (traj.status, traj.finish_reason, traj.error)
+    assert_matches_engine(traj, rec)
+    users = [i for i, m in enumerate(traj.messages) if m["role"] == "user"]
+    assert len(users) == 2 and traj.messages[users[1]]["content"] == q2.question
+    fixed = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if not m])
+    assert f"<|im_start|>user\n{q2.question}<|im_end|>" in fixed
+    assert traj.num_turns >= 2 and traj.reward is not None
+
+
 def _random_ctx(engine: Engine, lifecycle: Lifecycle, uid: str, **cfg: Any) -> tuple[AgentContext, Recorder]:
     from transformers import AutoTokenizer
 

@@ -4,10 +4,17 @@ callable `(messages, sample) -> next user message | None` decides whether the co
 `ask_user` calls it under a timeout: async callables are awaited; sync ones run in a worker thread so
 a slow judge cannot stall the event loop. The reply may be text or a full message dict; None stops.
 `scripted_user` is a ready-made interaction that plays `sample.extra["user_turns"]` in order.
+
+Interactions are findable by name so YAML configs and dataset rows can pick one:
+`@register_interaction("name")` registers a callable, and `get_interaction(spec)` resolves a
+registered name or an importable `"package.module:attribute"` path (a class there is instantiated
+once with no arguments; its instance is the callable). Resolved paths are cached: one object per
+worker, like tools.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any, Awaitable, Callable, Mapping, Union
 
@@ -15,10 +22,75 @@ import anyio
 
 from ..types import Sample
 
-__all__ = ["Interaction", "ask_user", "scripted_user"]
+__all__ = [
+    "Interaction",
+    "ask_user",
+    "get_interaction",
+    "register_interaction",
+    "registered_interactions",
+    "scripted_user",
+]
 
 Reply = Union[str, Mapping[str, Any], None]
 Interaction = Callable[[list[dict[str, Any]], Sample], Union[Awaitable[Reply], Reply]]
+
+_INTERACTIONS: dict[str, Interaction] = {}
+_RESOLVED: dict[str, Interaction] = {}  # "module:attr" paths already imported (and built)
+
+
+def register_interaction(name: str) -> Callable[[Interaction], Interaction]:
+    """Decorator: `@register_interaction("name")` makes a simulated user selectable by name."""
+    if not name or ":" in name:
+        raise ValueError(f"an interaction name must be non-empty and without ':', got {name!r}")
+
+    def deco(fn: Interaction) -> Interaction:
+        if not callable(fn):
+            raise TypeError(f"interaction {name!r}: {fn!r} is not callable")
+        _INTERACTIONS[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_interactions() -> list[str]:
+    return sorted(_INTERACTIONS)
+
+
+def get_interaction(spec: Union[str, Interaction]) -> Interaction:
+    """The interaction named by `spec`: a registered name, a `"package.module:attribute"` path, or
+    already a callable (returned as is). Raises KeyError/ImportError/TypeError saying what is wrong."""
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise TypeError(f"an interaction is a name or 'module:function' path, got {spec!r}")
+    if spec in _INTERACTIONS:
+        return _INTERACTIONS[spec]
+    if spec in _RESOLVED:
+        return _RESOLVED[spec]
+    if ":" not in spec:
+        raise KeyError(
+            f"unknown interaction {spec!r}; registered: {registered_interactions()} "
+            "(or give an importable 'package.module:function' path)"
+        )
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"interaction {spec!r}: cannot import module {module_name!r}: {e}") from None
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"interaction {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    if isinstance(obj, type):  # a stateful interaction class (like verl's): one instance per worker
+        try:
+            obj = obj()
+        except Exception as e:
+            raise TypeError(f"interaction {spec!r}: {obj.__name__}() failed: {type(e).__name__}: {e}") from e
+    if not callable(obj):
+        raise TypeError(f"interaction {spec!r} is a {type(obj).__name__}, not callable (messages, sample) -> reply")
+    _RESOLVED[spec] = obj
+    return obj
 
 
 async def ask_user(
@@ -48,6 +120,7 @@ async def ask_user(
     )
 
 
+@register_interaction("scripted_user")
 def scripted_user(messages: list[dict[str, Any]], sample: Sample) -> str | None:
     """Plays `sample.extra["user_turns"]` (a list of strings) one per call, then stops."""
     turns = sample.extra.get("user_turns") or []

@@ -1,7 +1,7 @@
 """The `tool` agent loop: generate → parse tool calls → run tools → append results → repeat.
 
 Ends when a turn has no tool call (then the optional simulated user, `ctx.interaction`, may add a
-user turn and the loop goes on), when `max_assistant_turns` / `max_user_turns` is reached, or when the
+user turn and the loop goes on; the `interaction` loop, a subclass, requires one), when `max_assistant_turns` / `max_user_turns` is reached, or when the
 token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
 it), aborted (the engine aborted a turn — partial rollout resumes it from `sample.resume_from`),
 failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
@@ -20,12 +20,17 @@ from ..tools import ToolCall, ToolContext, ToolResult, get_parser
 from ..types import Sample, Trajectory
 from .base import AgentContext, AgentLoop, register_agent
 from .episode import BudgetSpent, Episode
-from .interaction import ask_user
+from .interaction import Interaction, ask_user
 
 
 @register_agent
 class ToolAgent(AgentLoop):
     name = "tool"
+
+    def simulated_user(self, sample: Sample, ctx: AgentContext) -> Interaction | None:
+        """The simulated user asked after a turn without tool calls (None: such a turn completes the
+        trajectory). Here the context's optional hook; the `interaction` loop overrides this."""
+        return ctx.interaction
 
     async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
         tools = sample.tools if sample.tools is not None else (ctx.tools.schemas() if ctx.tools is not None else None)
@@ -35,18 +40,19 @@ class ToolAgent(AgentLoop):
             return Episode.failed_before_start(sample, ctx, e)
         tool_ctx = ToolContext(trajectory_id=sample.uid, extra={"ground_truth": sample.ground_truth, **sample.extra})
         try:
+            user = self.simulated_user(sample, ctx)
             if ctx.tools is not None:
                 async with ctx.tools.trajectory(tool_ctx):
-                    await self._loop(ep, tool_ctx)
+                    await self._loop(ep, tool_ctx, user)
             else:
-                await self._loop(ep, tool_ctx)
+                await self._loop(ep, tool_ctx, user)
         except BudgetSpent as b:
             ep.finish("truncated", b.reason)
         except Exception as e:
             ep.fail(e)
         return ep.trajectory()
 
-    async def _loop(self, ep: Episode, tool_ctx: ToolContext) -> None:
+    async def _loop(self, ep: Episode, tool_ctx: ToolContext, user: Interaction | None) -> None:
         cfg = ep.config
         parser = get_parser(cfg.tool_parser)
         assert ep.buffer is not None
@@ -68,7 +74,7 @@ class ToolAgent(AgentLoop):
             if out.finish_type == "length":
                 ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
                 return
-            if ep.ctx.interaction is None:
+            if user is None:
                 ep.finish("completed", "stop")
                 return
             if ep.user_turns >= cfg.max_user_turns:
@@ -79,7 +85,7 @@ class ToolAgent(AgentLoop):
                 return
             t0 = ep.clock()
             reply = await ask_user(
-                ep.ctx.interaction, ep.buffer.messages, ep.sample,
+                user, ep.buffer.messages, ep.sample,
                 timeout=float(cfg.extra.get("interaction_timeout", 60.0)),
             )
             ep.event("user", t0, ep.clock())
