@@ -1,9 +1,12 @@
 """Reward functions by name, and `score`, which runs one on a finished trajectory.
 
-A reward function takes `(trajectory, sample)` and returns a float, a `RewardResult` (a reward plus
-optional per-turn rewards and details), or an awaitable of either. Sync functions run in a worker
-thread (`anyio.to_thread.run_sync`) so a slow grader never blocks the event loop; every call runs
-under a timeout. A function that raises, times out or returns garbage leaves `trajectory.reward`
+A reward function takes `(trajectory, sample)` (and `timeout=` if it declares that keyword) and
+returns a float, a `RewardResult` (a reward plus optional per-turn rewards and details), a dict
+`{"reward": x, "turn_rewards": [...], ...other details}`, None (does not score this trajectory), or
+an awaitable of one of these. `call_reward` runs one: sync functions in a worker thread
+(`anyio.to_thread.run_sync`) so a slow grader never blocks the event loop, every call under a
+timeout. Registered functions (by name) and a trainer's own function (`Runtime(reward_fn=...)`)
+go through the same `call_reward`. A function that raises, times out or returns garbage leaves `trajectory.reward`
 None and records the error in `trajectory.metrics["reward_error"]` and `trajectory.extra
 ["reward_error"]` — one bad grader never crashes a step.
 
@@ -14,11 +17,12 @@ fraction of successful tool results after each tool-calling turn, final reward =
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Union
+from typing import Any, Awaitable, Callable, Mapping, Union
 
 import anyio
 
@@ -32,6 +36,8 @@ __all__ = [
     "get_reward",
     "registered_rewards",
     "score",
+    "call_reward",
+    "reward_name",
     "last_assistant_text",
 ]
 
@@ -80,17 +86,81 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether `fn` takes a keyword argument `name` (by name or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return False
+    return any((p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _coerce(value: Any, name: str) -> RewardResult:
     if isinstance(value, RewardResult):
         result = value
     elif isinstance(value, (bool, int, float)):
         result = RewardResult(float(value))
+    elif isinstance(value, Mapping) and "reward" in value:
+        info = {k: v for k, v in value.items() if k not in ("reward", "turn_rewards")}
+        result = RewardResult(value["reward"], turn_rewards=value.get("turn_rewards"), info=info)
     else:
-        raise TypeError(f"reward {name!r} returned {type(value).__name__}; expected a float or RewardResult")
+        raise TypeError(
+            f"reward {name!r} returned {type(value).__name__}; expected a float, a RewardResult or a dict with 'reward'"
+        )
+    if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)):
+        raise TypeError(f"reward {name!r} returned reward={result.reward!r}; expected a number")
     if not math.isfinite(float(result.reward)):
         raise ValueError(f"reward {name!r} returned a non-finite value {result.reward!r}")
     result.reward = float(result.reward)
+    if result.turn_rewards is not None:
+        result.turn_rewards = [float(x) for x in result.turn_rewards]
     return result
+
+
+def reward_name(fn: Any) -> str:
+    """How errors name a reward function: its registered name if it has one, else its qualified name."""
+    for name, registered in _REWARDS.items():
+        if registered is fn:
+            return name
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+async def call_reward(
+    fn: Callable[..., Any],
+    trajectory: Trajectory,
+    sample: Sample,
+    *,
+    timeout: float,
+    name: str | None = None,
+) -> RewardResult | None:
+    """Run one reward function on a finished trajectory and return its result (None: it returned None,
+    i.e. it does not score this trajectory). Raises what the function raised, or `TimeoutError`.
+
+    `fn(trajectory, sample)` — plus `timeout=` if it takes that keyword, so it
+    can bound its own work (it then gets one extra second before it is cut off, to report its own
+    error). Async functions are awaited; sync ones run in a worker thread so a slow grader never
+    blocks the event loop; either way the call is cancelled past `timeout` seconds.
+    """
+    name = name or reward_name(fn)
+    kwargs: dict[str, Any] = {}
+    limit = timeout
+    if _accepts(fn, "timeout"):
+        kwargs["timeout"] = timeout
+        limit = timeout + 1.0
+    try:
+        with anyio.fail_after(limit):
+            if _is_async(fn):
+                value = await fn(trajectory, sample, **kwargs)
+            else:
+                # abandon_on_cancel: a grader stuck in C code cannot be interrupted; the timeout
+                # frees the trajectory and the thread ends on its own.
+                value = await anyio.to_thread.run_sync(
+                    functools.partial(fn, trajectory, sample, **kwargs), abandon_on_cancel=True)
+                if inspect.isawaitable(value):
+                    value = await value
+    except TimeoutError:
+        raise TimeoutError(f"reward {name!r} timed out after {timeout:g} s") from None
+    return None if value is None else _coerce(value, name)
 
 
 async def score(
@@ -99,37 +169,36 @@ async def score(
     *,
     timeout: float = 10.0,
     default: str | None = None,
+    fn: Callable[..., Any] | None = None,
 ) -> None:
-    """Set `trajectory.reward` (and `turn_rewards`) with the function named by `sample.reward`, else
-    `default`; no name → nothing is scored. Never raises for a grader's fault (errors go to metrics)."""
-    name = sample.reward or default
-    if not name:
-        return
+    """Score a finished trajectory: with `fn` if given, else the function named by `sample.reward`,
+    else `default`; no function → nothing is scored. Sets `trajectory.reward` (and `turn_rewards`,
+    `extra["reward_info"]`). Never raises for a grader's fault: the error goes to
+    `extra["reward_error"]` / `metrics["reward_error"]` (see `call_reward` for how it runs)."""
+    if fn is None:
+        name = sample.reward or default
+        if not name:
+            return
+    else:
+        name = reward_name(fn)
     t0 = time.monotonic()
     try:
-        fn = get_reward(name)
-        with anyio.fail_after(timeout):
-            if _is_async(fn):
-                value = await fn(trajectory, sample)  # type: ignore[misc]
-            else:
-                # abandon_on_cancel: a grader stuck in C code cannot be interrupted; the timeout
-                # frees the trajectory and the thread ends on its own.
-                value = await anyio.to_thread.run_sync(fn, trajectory, sample, abandon_on_cancel=True)
-                if inspect.isawaitable(value):
-                    value = await value
-        result = _coerce(value, name)
-    except TimeoutError:
-        _record_error(trajectory, name, f"reward {name!r} timed out after {timeout:g} s")
+        if fn is None:
+            fn = get_reward(name)
+        result = await call_reward(fn, trajectory, sample, timeout=timeout, name=name)
+    except TimeoutError as e:
+        _record_error(trajectory, name, str(e))
     except Exception as e:
         _record_error(trajectory, name, f"reward {name!r} failed: {type(e).__name__}: {e}")
     else:
-        trajectory.reward = result.reward
-        if result.turn_rewards is not None:
-            trajectory.turn_rewards = [float(x) for x in result.turn_rewards]
-        if result.info:
-            trajectory.extra["reward_info"] = dict(result.info)
-        trajectory.metrics.pop("reward_error", None)
-        trajectory.extra.pop("reward_error", None)
+        if result is not None:
+            trajectory.reward = result.reward
+            if result.turn_rewards is not None:
+                trajectory.turn_rewards = list(result.turn_rewards)
+            if result.info:
+                trajectory.extra["reward_info"] = dict(result.info)
+            trajectory.metrics.pop("reward_error", None)
+            trajectory.extra.pop("reward_error", None)
     trajectory.metrics["reward_seconds"] = time.monotonic() - t0
 
 

@@ -12,7 +12,9 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
   error; if it has not returned `abort_grace` seconds later it is cancelled.
 - **Failure isolation**: an exception in one loop becomes that trajectory's `failed` status and error;
   the others go on. Results come back in input order.
-- **Rewards**: completed and truncated trajectories are scored by `agentloop.rewards.score`.
+- **Rewards**: completed and truncated trajectories are scored by `agentloop.rewards.score` with the
+  trainer's `reward_fn` (sync or async, off the event loop, under `reward_timeout`), else the sample's
+  named reward function; a grader that fails or times out marks its trajectory failed with the error.
 - **Over-sampling + early stop**: with `target_groups`, once that many groups are complete (every
   member completed or truncated) the rest are stopped and aborted on the servers; their groups come
   back as `carry_over` samples (`Sample.resume_from` = the partial trajectory, each turn tagged with
@@ -36,6 +38,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import anyio
 import anyio.abc
 
+from . import rewards
 from .agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
 from .config import SchedulerConfig
 from .engine.router import RouteSession, Router
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ScheduleResult", "Scheduler", "expand_samples"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
-RewardFn = Callable[..., Awaitable[Any]]
+RewardFn = Callable[..., Any]  #: sync or async; see `agentloop.rewards.call_reward`
 FINISHED_OK = ("completed", "truncated")
 
 
@@ -111,12 +114,8 @@ class Scheduler:
         self.tools = tools
         self.interaction = interaction
         self.default_agent = default_agent
-        #: `rewards.score` scores nothing for a sample that names no reward function, and bounds itself.
-        self._builtin_reward = reward_fn is None
-        if reward_fn is None:
-            from . import rewards
-
-            reward_fn = rewards.score
+        #: The trainer's reward function for every trajectory (any signature `rewards.call_reward` takes);
+        #: None: each sample's named reward function.
         self.reward_fn = reward_fn
         self.clock = clock
         self._agents: dict[str, AgentLoop] = {}
@@ -326,18 +325,14 @@ class _Run:
             traj.extra["servers"] = list(dict.fromkeys(traj.extra.get("servers", []) + session.servers))
 
     async def _score(self, traj: Trajectory, job: Sample) -> None:
-        if self.s._builtin_reward and not job.reward:
-            return
-        try:
-            with anyio.fail_after(None if self.s._builtin_reward else self.cfg.reward_timeout + 1.0):
-                value = await self.s.reward_fn(traj, job, timeout=self.cfg.reward_timeout)
-            if value is not None:
-                traj.reward = float(value)
-            if traj.extra.get("reward_error"):  # `rewards.score` records grader errors instead of raising
-                raise RuntimeError(traj.extra["reward_error"])
-        except Exception as e:  # a reward that cannot be computed makes the trajectory untrainable
-            traj.status, traj.error = "failed", f"reward failed: {type(e).__name__}: {e}"
-            log.warning("reward of %s failed: %s", traj.uid, e)
+        """Score through `rewards.score` (the trainer's function, else the sample's named one): sync
+        graders run off the event loop, under `reward_timeout`. A reward that cannot be computed makes
+        the trajectory untrainable: it is marked failed with the grader's error; the step goes on."""
+        await rewards.score(traj, job, timeout=self.cfg.reward_timeout, fn=self.s.reward_fn)
+        error = traj.extra.get("reward_error")
+        if error:
+            traj.status, traj.error = "failed", f"reward failed: {error}"
+            log.warning("reward of %s failed: %s", traj.uid, error)
 
     # ------------------------------------------------------------------ groups and early stop
     async def _finish(self, i: int, traj: Trajectory) -> None:

@@ -1,0 +1,134 @@
+"""A trainer's own reward function (`Runtime(reward_fn=...)` / `Scheduler(reward_fn=...)`): plain sync or
+async `f(trajectory, sample)`, run off the event loop under `reward_timeout` by `rewards.call_reward`
+(the same helper `rewards.score` uses); `timeout=` only for functions that take it; a grader that
+raises or hangs fails its own trajectory, never the step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import types
+from typing import Any
+
+import anyio
+import pytest
+
+from agentloop.agents.base import AgentConfig
+from agentloop.config import SchedulerConfig
+from agentloop.engine.lifecycle import Lifecycle
+from agentloop.engine.router import Router
+from agentloop.rewards import RewardResult, call_reward, score
+from agentloop.runtime import Runtime
+from agentloop.scheduler import Scheduler
+from agentloop.types import Sample, Trajectory
+
+from test_scheduler_support import FakeEngine, samples
+
+TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=2)
+
+
+def _traj() -> Trajectory:
+    return Trajectory(uid="t", group_id="g", prompt_ids=[1], response_ids=[5, 6], response_mask=[1, 1],
+                      response_logprobs=[-0.1, -0.2], messages=[{"role": "assistant", "content": "The answer is 5."}])
+
+
+async def test_call_reward_sync_async_timeout_keyword_and_return_forms() -> None:
+    loop_thread = threading.get_ident()
+    seen: dict[str, Any] = {}
+    s = Sample(uid="t", messages=[], ground_truth=5)
+
+    def plain(traj: Trajectory, sample: Sample) -> float:
+        seen["thread"] = threading.get_ident()
+        return len(traj.response_ids) + sample.ground_truth
+
+    async def with_timeout(traj: Trajectory, sample: Sample, *, timeout: float) -> dict[str, Any]:
+        seen["timeout"] = timeout
+        return {"reward": 0.5, "turn_rewards": [1, 0], "judge": "ok"}
+
+    def kwargs_only(traj: Trajectory, sample: Sample, **kw: Any) -> RewardResult:
+        seen["kw"] = kw
+        return RewardResult(1.0)
+
+    r = await call_reward(plain, _traj(), s, timeout=2.0)
+    assert r is not None and r.reward == 7.0 and seen["thread"] != loop_thread  # ran in a worker thread
+    r = await call_reward(with_timeout, _traj(), s, timeout=2.5)
+    assert seen["timeout"] == 2.5 and r is not None and r.reward == 0.5
+    assert r.turn_rewards == [1.0, 0.0] and r.info == {"judge": "ok"}
+    assert (await call_reward(kwargs_only, _traj(), s, timeout=3.0)).reward == 1.0 and seen["kw"] == {"timeout": 3.0}
+    assert await call_reward(lambda t, smp: None, _traj(), s, timeout=1.0) is None  # does not score it
+
+    with pytest.raises(TypeError, match="expected a float"):
+        await call_reward(lambda t, smp: "1.0", _traj(), s, timeout=1.0)
+    with pytest.raises(TypeError, match="expected a number"):
+        await call_reward(lambda t, smp: {"reward": "high"}, _traj(), s, timeout=1.0)
+
+    async def hang(traj: Trajectory, sample: Sample) -> float:
+        await anyio.sleep_forever()
+        return 0.0
+
+    with pytest.raises(TimeoutError, match="'test_call_reward_sync_async_timeout_keyword_and_return_forms.<locals>.hang' "
+                                           "timed out after 0.1 s"):
+        await call_reward(hang, _traj(), s, timeout=0.1)
+
+
+async def test_score_with_a_given_function_records_its_dict_result() -> None:
+    t = _traj()
+    await score(t, Sample(uid="t", messages=[]), fn=lambda tr, s: {"reward": 2, "turn_rewards": [0.25]})
+    assert t.reward == 2.0 and t.turn_rewards == [0.25] and "reward_error" not in t.extra
+
+
+def test_runtime_with_plain_sync_and_async_reward_functions_for_two_steps() -> None:
+    on_loop: list[bool] = []
+
+    def _on_event_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def sync_reward(traj: Trajectory, sample: Sample) -> float:  # no `timeout` keyword
+        on_loop.append(_on_event_loop())
+        return float(len(traj.response_ids))
+
+    async def async_reward(traj: Trajectory, sample: Sample) -> float:
+        await anyio.sleep(0)
+        return -float(sum(traj.response_mask))
+
+    for fn in (sync_reward, async_reward):
+        with Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object(), reward_fn=fn) as rt:
+            for _ in range(2):
+                res = rt.step_sync(samples(3, turns=2, tokens=3))
+                assert [t.status for t in res.trajectories] == ["completed"] * 3, [t.error for t in res.trajectories]
+                want = [fn is sync_reward and float(len(t.response_ids)) or -float(sum(t.response_mask))
+                        for t in res.trajectories]
+                assert [t.reward for t in res.trajectories] == want
+                assert res.batch["rewards"].tolist() == want
+    assert on_loop == [False] * 6  # the sync grader ran in worker threads, never on the event loop
+
+
+async def test_a_hanging_or_raising_reward_fails_only_its_trajectory() -> None:
+    release = threading.Event()
+
+    def grader(traj: Trajectory, sample: Sample) -> float:
+        if sample.uid == "p1":
+            release.wait(10.0)  # blocks its worker thread, not the event loop
+        if sample.uid == "p2":
+            raise ZeroDivisionError("grader bug")
+        return 1.0
+
+    lc = Lifecycle([FakeEngine("http://a")], awake=True)
+    sched = Scheduler(Router(lc), tokenizer=None, agent_config=AgentConfig(),
+                      config=SchedulerConfig(reward_timeout=0.3), reward_fn=grader)
+    t0 = time.monotonic()
+    try:
+        res = await sched.run(samples(4, turns=1, tokens=2))
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 3.0
+    by = {t.uid: t for t in res.trajectories}
+    assert by["p0"].status == by["p3"].status == "completed" and by["p0"].reward == by["p3"].reward == 1.0
+    assert by["p1"].status == "failed" and "timed out after 0.3 s" in by["p1"].error and by["p1"].reward is None
+    assert by["p2"].status == "failed" and "ZeroDivisionError: grader bug" in by["p2"].error
+    assert by["p1"].response_ids and by["p2"].response_ids  # the rollout itself is kept
