@@ -319,3 +319,60 @@ def test_yaml_file_errors_name_the_file(tmp_path):
     with pytest.raises(ToolConfigError, match="cannot read tool config"):
         ToolRegistry.from_yaml(tmp_path / "missing.yaml")
     assert ToolRegistry.from_config(None).names() == [] and ToolRegistry.from_config({"tools": None}).names() == []
+
+
+# A tool config in verl's layout, verbatim as in verl's examples/sglang_multiturn/config/tool_config/
+# (quoted strings, `config: {type: native}` read by verl's registry), with agentloop's calculator as
+# the class.
+VERL_TOOL_CONFIG = '''
+tools:
+  - class_name: "agentloop.tools.builtin.calculator.CalculatorTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calculator"
+        description: "Evaluate an arithmetic expression and return its value."
+        parameters:
+          type: "object"
+          properties:
+            expression:
+              type: "string"
+              description: "The arithmetic expression, e.g. 12 * (3 + 4)"
+          required: ["expression"]
+  - class_name: "agentloop.tools.builtin.calculator.CalculatorTool"
+    config: {type: native, max_exponent: 10}
+    tool_schema:
+      type: "function"
+      function:
+        name: "small_calculator"
+        description: "A calculator with small exponents."
+        parameters:
+          type: "object"
+          properties:
+            expression:
+              type: "string"
+          required: ["expression"]
+'''
+
+
+async def test_verl_tool_config_with_type_native_loads_and_runs(tmp_path):
+    p = tmp_path / "gsm8k_tool_config.yaml"
+    p.write_text(VERL_TOOL_CONFIG)
+    reg = ToolRegistry.from_yaml(p)
+    assert reg.names() == ["calculator", "small_calculator"]
+    assert reg.get("small_calculator").limits["max_exponent"] == 10  # the other keys still reach the constructor
+    assert reg.schemas(["calculator"])[0]["function"]["parameters"]["required"] == ["expression"]
+    res = await reg.execute_calls([ToolCall("calculator", {"expression": "12 * (3 + 4)"}, "")],
+                                  context=ctx(), timeout=5, max_parallel=1)
+    assert (res[0].ok, res[0].content) == (True, "84")
+
+
+@pytest.mark.parametrize("kind", ["mcp", "benchmax", "Native", None])
+def test_verl_tool_types_other_than_native_are_refused_clearly(kind):
+    # An mcp entry in verl also carries an `mcp:` section: the type is reported, not that field.
+    entry = {"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "config": {"type": kind},
+             "mcp": {"mcp_servers_config_path": "servers.json"}}
+    with pytest.raises(ToolConfigError, match=rf"tools\[0\]\.config\.type: {kind!r} tools are not supported; agentloop runs native tools only"):
+        ToolRegistry.from_config({"tools": [entry]})

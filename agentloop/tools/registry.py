@@ -104,7 +104,9 @@ class ToolRegistry:
     @classmethod
     def from_config(cls, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> "ToolRegistry":
         """`{"tools": [{"class_name": ..., "config": {...}, "tool_schema": {...}}]}` (verl's layout), or the
-        bare list. `tool_schema` (optional) overrides name/description/parameters of the built tool."""
+        bare list. `tool_schema` (optional) overrides name/description/parameters of the built tool.
+        verl's `config.type` is understood: `native` is accepted (and not passed to the constructor),
+        other kinds (e.g. `mcp`) are refused with a ToolConfigError."""
         if data is None:
             return cls([])
         if isinstance(data, Mapping):
@@ -272,6 +274,10 @@ class ToolRegistry:
 def _build_entry(entry: Any, where: str) -> Tool:
     if not isinstance(entry, Mapping):
         raise ToolConfigError(f"{where}: must be a mapping with 'class_name', got {type(entry).__name__}")
+    config = entry.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise ToolConfigError(f"{where}.config: must be a mapping, got {type(config).__name__}")
+    config = _without_verl_type(config, where)  # before the field check: an mcp entry's 'mcp' key gets this error
     unknown = set(entry) - {"class_name", "config", "tool_schema"}
     if unknown:
         raise ToolConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected class_name, config, tool_schema")
@@ -282,9 +288,6 @@ def _build_entry(entry: Any, where: str) -> Tool:
         tool_cls = load_tool_class(class_name)
     except (ImportError, TypeError) as e:
         raise ToolConfigError(f"{where}.class_name: cannot load {class_name!r}: {_first_line(e)}") from None
-    config = entry.get("config") or {}
-    if not isinstance(config, Mapping):
-        raise ToolConfigError(f"{where}.config: must be a mapping, got {type(config).__name__}")
     try:
         inspect.signature(tool_cls).bind(**config)
     except TypeError as e:
@@ -297,6 +300,22 @@ def _build_entry(entry: Any, where: str) -> Tool:
     if schema is not None:
         _apply_schema(tool, schema, where)
     return tool
+
+
+def _without_verl_type(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The constructor's keyword arguments: `config` less verl's `type` key (verl's tool registry reads
+    `config.type` to pick native, MCP or other tool kinds). Only native tools exist here, so `native`
+    is dropped and any other kind is refused with a message saying so."""
+    config = dict(config)
+    if "type" not in config:
+        return config
+    kind = config.pop("type")
+    if kind != "native":
+        raise ToolConfigError(
+            f"{where}.config.type: {kind!r} tools are not supported; agentloop runs native tools only "
+            "(verl's `type: native`, a Tool subclass built from class_name and config)"
+        )
+    return config
 
 
 def _apply_schema(tool: Tool, schema: Any, where: str) -> None:
