@@ -5,6 +5,10 @@ bad-row policy, display) + the embedded `agentloop.config.RuntimeConfig` under `
 The rollout's own defaults for the runtime (GRPO groups of 2, short turns so the CPU demo is fast)
 are deep-merged under whatever the file gives, so setting one nested key keeps the others.
 
+The file may also use the flags' own names at its top level (`n: 8`, `concurrency: 64`,
+`engine_url: [...]`, dashes or underscores, see `FLAG_NAMES`): they are moved to the nested field they
+stand for before validation; the same field set both ways to different values is an error.
+
 Errors are `ConfigError`s that name the field (dotted path) and where it came from: the file and
 line:column of the offending YAML node (from yaml's node marks), or the command-line flag.
 `defaults_yaml()` renders every field with its description as a commented YAML file
@@ -40,8 +44,79 @@ ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: `agentloop rollout` flag (dest, i.e. without `--`, dashes as underscores) → the field it sets.
+#: The same names are accepted as top-level keys of the config file (`FLAG_ALIASES`: those that
+#: are not top-level fields already), so a file can say what the command line says.
+FLAG_NAMES: dict[str, str] = {
+    "data": "data",
+    "out": "out",
+    "steps": "steps",
+    "prompts_per_step": "prompts_per_step",
+    "on_bad_row": "on_bad_row",
+    "engine_url": "runtime.engine.urls",
+    "model": "runtime.engine.model",
+    "n": "runtime.scheduler.n",
+    "concurrency": "runtime.scheduler.concurrency",
+    "max_new_tokens": "runtime.agent.max_new_tokens_per_turn",
+    "temperature": "runtime.agent.temperature",
+    "seed": "runtime.agent.seed",
+}
+FLAG_ALIASES: dict[str, str] = {k: v for k, v in FLAG_NAMES.items() if k != v}
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and the file position or flag."""
+
+
+class _AliasConflict(ValueError):
+    """A top-level flag-named key and the field it stands for are both given, with different values."""
+
+    def __init__(self, key: str, dotted: str, alias_value: Any, field_value: Any) -> None:
+        self.key = key
+        super().__init__(f"{key}: sets {dotted}, which is also given as `{dotted}` with another value "
+                         f"({alias_value!r} vs {field_value!r}); give it once")
+
+
+def alias_field(key: str) -> str | None:
+    """The field a top-level key written like a flag (`n`, `engine-url`, `max_new_tokens`) stands
+    for, if it is one and is not spelled as that field already."""
+    name = key.replace("-", "_")
+    dotted = FLAG_NAMES.get(name)
+    return dotted if dotted is not None and dotted != key else None
+
+
+def resolve_flag_names(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """Move top-level flag-named keys to the fields they stand for.
+
+    Returns the new data (the input is not modified) and {field path: key as written} for each moved
+    key, so an error about that field can point at the key in the file. Raises `_AliasConflict`."""
+    out = dict(data)
+    moved: dict[tuple[str, ...], str] = {}
+    for key in list(out):
+        dotted = alias_field(key) if isinstance(key, str) else None
+        if dotted is None:
+            continue
+        value = out.pop(key)
+        if dotted == "runtime.engine.urls" and isinstance(value, str):
+            value = [value]  # `engine_url: http://...`: one URL, as `--engine-url URL` gives
+        *parents, leaf = dotted.split(".")
+        cur = out
+        for p in parents:
+            nxt = cur.get(p)
+            if nxt is None:
+                nxt = {}
+            elif not isinstance(nxt, Mapping):
+                # `runtime: 3` or the like: leave the key where it was; validation names both problems.
+                out[key] = value
+                break
+            cur[p] = nxt = dict(nxt)  # copied on the way down: the caller's mappings stay as they were
+            cur = nxt
+        else:
+            if leaf in cur and cur[leaf] != value:
+                raise _AliasConflict(key, dotted, value, cur[leaf])
+            cur[leaf] = value
+            moved[tuple(dotted.split("."))] = key
+    return out, moved
 
 
 def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,7 +159,12 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _rollout_runtime_defaults(cls, data: Any) -> Any:
+    def _flag_names_and_runtime_defaults(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            try:
+                data, _ = resolve_flag_names(data)
+            except _AliasConflict as e:
+                raise ValueError(str(e)) from None
         if isinstance(data, Mapping) and isinstance(data.get("runtime"), Mapping):
             data = dict(data)
             data["runtime"] = _deep_merge(ROLLOUT_RUNTIME_DEFAULTS, data["runtime"])
@@ -165,8 +245,18 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{_where(str(p), root)}: the config file must be a mapping of fields, not a "
                               f"{type(data).__name__}")
+    # The file's flag-named keys are resolved before the flags are applied, so a flag overriding
+    # `n: 4` of the file is an override, not a conflict.
+    try:
+        data, moved = resolve_flag_names(data)
+    except _AliasConflict as e:
+        node, _ = _node_at(root, (e.key,), key=True)
+        raise ConfigError(f"invalid configuration:\n  {_where(str(path) if path is not None else None, node)}: "
+                          f"{e}") from None
     flag_of: dict[tuple[str, ...], str] = {}
     for dotted, (value, flag) in (overrides or {}).items():
+        if "." not in dotted:
+            dotted = alias_field(dotted) or dotted  # `--set n=4` as `--n 4`
         _set_dotted(data, dotted, value)
         flag_of[tuple(dotted.split("."))] = flag
     try:
@@ -183,7 +273,14 @@ def load_config(
             if flag is not None:
                 lines.append(f"{flag}: {field}: {msg}")
                 continue
-            node, exact = _node_at(root, loc, key=err["type"] == "extra_forbidden")
+            yaml_loc = loc
+            for target, key in moved.items():
+                if loc[: len(target)] == target:
+                    # Given under its flag name: point at that key, and name both.
+                    yaml_loc = (key, *loc[len(target):])
+                    field = f"{key} ({field})"
+                    break
+            node, exact = _node_at(root, yaml_loc, key=err["type"] == "extra_forbidden")
             where = _where(str(path) if path is not None else None, node)
             got = f" (got {err['input']!r})" if exact and err["type"] != "extra_forbidden" and not isinstance(
                 err.get("input"), (dict, list)) else ""
@@ -208,12 +305,22 @@ def _scalar(value: Any) -> str:
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 
-def _render(model: BaseModel, indent: int) -> list[str]:
+def _flag_note(dotted: str) -> str:
+    """" Flag: --n; or top-level `n:`." for a field a flag sets, else ""."""
+    switches = {"quiet": " Flag: -q, --quiet.", "timeline": " Flag: --no-timeline (sets false)."}
+    dest = next((d for d, f in FLAG_NAMES.items() if f == dotted), None)
+    if dest is None:
+        return switches.get(dotted, "")
+    flag = "--" + dest.replace("_", "-")
+    return f" Flag: {flag}." if dest == dotted else f" Flag: {flag}; or top-level `{dest}:` in this file."
+
+
+def _render(model: BaseModel, indent: int, prefix: str = "") -> list[str]:
     pad = "  " * indent
     lines: list[str] = []
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
-        desc = info.description or ""
+        desc = (info.description or "") + _flag_note(prefix + name)
         sub = _model_type(info.annotation)
         if lines and indent == 0:
             lines.append("")
@@ -221,7 +328,7 @@ def _render(model: BaseModel, indent: int) -> list[str]:
             lines.append(f"{pad}# {chunk}")
         if isinstance(value, BaseModel):
             lines.append(f"{pad}{name}:")
-            lines.extend(_render(value, indent + 1))
+            lines.extend(_render(value, indent + 1, f"{prefix}{name}."))
         elif value is None and sub is not None:
             lines.append(f"{pad}{name}: null   # a mapping of: {', '.join(sub.model_fields)}")
         else:
@@ -230,12 +337,13 @@ def _render(model: BaseModel, indent: int) -> list[str]:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, width=max(width, 40)) if text else []
+    return textwrap.wrap(text, width=max(width, 40), break_on_hyphens=False) if text else []
 
 
 def defaults_yaml(config: RolloutConfig | None = None) -> str:
     """Every setting with its description, as a commented YAML file that `load_config` accepts."""
     config = config or RolloutConfig()
     head = ["# agentloop rollout configuration (defaults). Pass with: agentloop rollout --config FILE.yaml",
-            "# Command-line flags override the file. Unknown keys are errors.", ""]
+            "# Command-line flags override the file. Unknown keys are errors. The flags' names work as",
+            "# top-level keys too (n: 8, concurrency: 64, engine_url: [http://...]), see 'Flag:' below.", ""]
     return "\n".join(head + _render(config, 0)) + "\n"

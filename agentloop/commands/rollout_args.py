@@ -10,22 +10,11 @@ from typing import Any
 
 import yaml
 
-from ..rollout_config import ConfigError, RolloutConfig
+from ..rollout_config import FLAG_NAMES, ConfigError, RolloutConfig
 
 #: flag dest → (dotted config field, flag as typed). Flags override the YAML file.
 FLAG_FIELDS: dict[str, tuple[str, str]] = {
-    "data": ("data", "--data"),
-    "out": ("out", "--out"),
-    "steps": ("steps", "--steps"),
-    "prompts_per_step": ("prompts_per_step", "--prompts-per-step"),
-    "on_bad_row": ("on_bad_row", "--on-bad-row"),
-    "engine_url": ("runtime.engine.urls", "--engine-url"),
-    "model": ("runtime.engine.model", "--model"),
-    "n": ("runtime.scheduler.n", "--n"),
-    "concurrency": ("runtime.scheduler.concurrency", "--concurrency"),
-    "max_new_tokens": ("runtime.agent.max_new_tokens_per_turn", "--max-new-tokens"),
-    "temperature": ("runtime.agent.temperature", "--temperature"),
-    "seed": ("runtime.agent.seed", "--seed"),
+    dest: (dotted, "--" + dest.replace("_", "-")) for dest, dotted in FLAG_NAMES.items()
 }
 
 
