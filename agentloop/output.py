@@ -6,8 +6,10 @@
   A hard kill therefore leaves a file named `.partial` holding only whole lines.
 - `trajectories.parquet`: the same trajectories, one row each, DESIGN.md's fields plus `messages`
   (as JSON text, since chat messages are heterogeneous), written once at the end.
-- `summary.json`: counts by status, tool calls, reward mean, tokens/s, time split
-  generate/tool/queue/wait/user, wake-up and sleep seconds per lifecycle stage, per step and in total.
+- `summary.json`: counts by status (`status`), tool calls (`tool_calls`), reward mean (`reward_mean`),
+  generated tokens/s (`tokens_per_second`), time split generate/tool/queue/wait/user
+  (`trajectory_seconds`), wake-up and sleep seconds per lifecycle stage (`wake_up_stages`,
+  `sleep_stages`): the run's totals at top level (also under `total`), each step's under `per_step`.
 
 Files other than the stream are written to a temporary name in the same folder and renamed, so no
 reader ever sees a half-written file.
@@ -308,7 +310,12 @@ def summarize_run(steps: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any
         "wake_up_stages": wake,
         "sleep_stages": sleep,
     }
-    return {**info, "total": totals, "per_step": list(steps)}
+    clash = info.keys() & (totals.keys() | {"total", "per_step"})
+    if clash:
+        raise ValueError(f"summarize_run: info keys {sorted(clash)} would hide the run totals")
+    # The run totals at top level (what a reader looks up first: summary["status"], ["reward_mean"],
+    # ["tokens_per_second"], ...) and, unchanged, under "total" next to "per_step"; same object.
+    return {**info, **totals, "total": totals, "per_step": list(steps)}
 
 
 def write_summary(path: str | Path, summary: dict[str, Any]) -> Path:

@@ -68,6 +68,7 @@ def check_outputs(out: Path, *, steps: int, interrupted: bool = False) -> list[d
         assert len(t.prompt_ids) > 0 and t.group_id and t.uid.startswith(t.group_id)
     # summary.json counts are the JSONL's counts, per step and in total.
     total = summary["total"]
+    assert {k: summary[k] for k in total} == total  # the run totals are at top level too
     assert total["trajectories"] == len(rows)
     assert total["status"] == {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     assert total["tool_calls"] == sum(r["tool_calls"] for r in rows)

@@ -108,6 +108,19 @@ def test_summary_numbers() -> None:
     assert s2["seconds"]["rollout"] == pytest.approx(0.45)
     run = summarize_run([s, s2], out="x")
     assert run["out"] == "x" and run["total"]["trajectories"] == 8
+    # The run totals are at top level too, under the same names as in each step's summary.
+    assert run["status"] == {"completed": 4, "truncated": 2, "aborted": 0, "failed": 2}
+    assert run["tool_calls"] == 8 and run["trajectories"] == 8 and run["steps"] == 2
+    assert run["reward_mean"] == pytest.approx(2 / 3)
+    assert run["tokens_per_second"] == pytest.approx(40 / (0.5 + 0.45))
+    assert run["trajectory_seconds"]["generate"] == pytest.approx(8 * 0.3)
+    assert run["trajectory_seconds"]["tool"] == pytest.approx(8 * 0.1)
+    assert run["trajectory_seconds"]["queue"] == pytest.approx(8 * 0.05)
+    assert run["wake_up_stages"] == pytest.approx({"resume_weights": 0.1, "update_weights": 0.4, "resume_kv_cache": 0.1})
+    assert run["sleep_stages"] == pytest.approx({"pause": 0.01, "release": 0.19})
+    assert {k: run[k] for k in run["total"]} == run["total"]
+    with pytest.raises(ValueError, match="would hide the run totals"):
+        summarize_run([s], status="done")
     assert run["total"]["status"]["completed"] == 4
     assert run["total"]["reward_mean"] == pytest.approx(2 / 3)
     assert run["total"]["wake_up_stages"]["update_weights"] == pytest.approx(0.4)
