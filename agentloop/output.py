@@ -4,8 +4,10 @@
   `step`), streamed as trajectories finish: each is one `write` of a whole line, flushed, into
   `trajectories.jsonl.partial`, renamed to `trajectories.jsonl` when the run ends (also on Ctrl-C).
   A hard kill therefore leaves a file named `.partial` holding only whole lines.
-- `trajectories.parquet`: the same trajectories, one row each, DESIGN.md's fields plus `messages`
-  (as JSON text, since chat messages are heterogeneous), written once at the end.
+- `trajectories.parquet`: the same trajectories, one row each, DESIGN.md's fields plus `turn_rewards`
+  and the readable `messages` as a list of structs (`MESSAGE_FIELDS`: role, content, name,
+  tool_call_id, tool_calls as JSON text of the OpenAI list, and any other keys as JSON text), written
+  once at the end. `message_from_parquet` turns a stored message back into its chat dict.
 - `summary.json`: counts by status (`status`), tool calls (`tool_calls`), reward mean (`reward_mean`),
   generated tokens/s (`tokens_per_second`), time split generate/tool/queue/wait/user
   (`trajectory_seconds`), wake-up and sleep seconds per lifecycle stage (`wake_up_stages`,
@@ -145,9 +147,51 @@ def clear_outputs(out_dir: str | Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
+#: The struct fields of one Parquet `messages` element. The string fields hold the message's keys
+#: of that name; `tool_calls` the JSON text of its list (arguments may be objects or strings, so no
+#: fixed struct fits them); `extra` the JSON text of every other key (and of a `content` that is
+#: not a string, e.g. a list of content parts), so nothing of a message is lost.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls", "extra")
+
+
+def parquet_message(m: dict[str, Any]) -> dict[str, str | None]:
+    """One chat message as a Parquet `messages` struct (see `MESSAGE_FIELDS`)."""
+    rest = {k: v for k, v in m.items() if k not in MESSAGE_FIELDS[:5]}
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        rest["content"] = content
+        content = None
+    calls = m.get("tool_calls")
+
+    def text(key: str) -> str | None:
+        v = m.get(key)
+        return v if v is None or isinstance(v, str) else str(v)
+
+    return {
+        "role": text("role"),
+        "content": content,
+        "name": text("name"),
+        "tool_call_id": text("tool_call_id"),
+        "tool_calls": None if calls is None else json.dumps(calls, ensure_ascii=False, default=str),
+        "extra": json.dumps(rest, ensure_ascii=False, default=str) if rest else None,
+    }
+
+
+def message_from_parquet(row: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet `messages` struct back as its chat dict (fields that were absent are left out)."""
+    msg: dict[str, Any] = {k: row[k] for k in ("role", "content", "name", "tool_call_id") if row.get(k) is not None}
+    msg.setdefault("content", None)
+    if row.get("tool_calls") is not None:
+        msg["tool_calls"] = json.loads(row["tool_calls"])
+    if row.get("extra") is not None:
+        msg.update(json.loads(row["extra"]))
+    return msg
+
+
 def _parquet_schema() -> Any:
     import pyarrow as pa
 
+    message = pa.struct([(name, pa.string()) for name in MESSAGE_FIELDS])
     return pa.schema([
         ("step", pa.int32()),
         ("uid", pa.string()),
@@ -166,13 +210,14 @@ def _parquet_schema() -> Any:
         ("reward", pa.float64()),
         ("error", pa.string()),
         ("metrics", pa.map_(pa.string(), pa.float64())),
-        ("messages", pa.string()),
+        ("turn_rewards", pa.list_(pa.float64())),
+        ("messages", pa.list_(message)),
         ("extra", pa.string()),
     ])
 
 
 def write_parquet(path: str | Path, rows: Iterable[tuple[int, Trajectory]]) -> Path:
-    """One row per (step, trajectory); `messages` and `extra` as JSON text."""
+    """One row per (step, trajectory); `messages` as a list of structs, `extra` as JSON text."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -196,7 +241,8 @@ def write_parquet(path: str | Path, rows: Iterable[tuple[int, Trajectory]]) -> P
         cols["reward"].append(t.reward)
         cols["error"].append(t.error)
         cols["metrics"].append([(k, float(v)) for k, v in t.metrics.items() if isinstance(v, (int, float))])
-        cols["messages"].append(json.dumps(t.messages, ensure_ascii=False, default=str))
+        cols["turn_rewards"].append([None if x is None else float(x) for x in t.turn_rewards])
+        cols["messages"].append([parquet_message(m) for m in t.messages])
         cols["extra"].append(json.dumps(t.extra, ensure_ascii=False, default=str))
     table = pa.table(cols, schema=schema)
     return atomic_write(path, lambda f: pq.write_table(table, f))

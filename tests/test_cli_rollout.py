@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from agentloop.data import arithmetic_prompts
+from agentloop.output import message_from_parquet
 from agentloop.types import STATUSES, TimelineEvent, Trajectory, TurnRecord
 
 # Short turns; the embedded engine runs one torch thread by default (the CI machine has 2 cores).
@@ -85,7 +86,8 @@ def check_outputs(out: Path, *, steps: int, interrupted: bool = False) -> list[d
     assert [(r["uid"], r["step"]) for r in table] == [(r["uid"], r["step"]) for r in rows]
     for pr, r in zip(table, rows):
         assert pr["response_ids"] == r["response_ids"] and pr["response_mask"] == r["response_mask"]
-        assert json.loads(pr["messages"]) == r["messages"]
+        assert [message_from_parquet(m) for m in pr["messages"]] == r["messages"]
+        assert pr["turn_rewards"] == r["turn_rewards"]
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 10_000
     return rows

@@ -12,9 +12,11 @@ import pytest
 from agentloop.engine.lifecycle import StageRecord
 from agentloop.output import (
     JSONL_NAME,
+    MESSAGE_FIELDS,
     TrajectoryStream,
     atomic_write,
     clear_outputs,
+    message_from_parquet,
     summarize_run,
     summarize_step,
     write_parquet,
@@ -82,9 +84,39 @@ def test_parquet_one_row_per_trajectory(tmp_path: Path) -> None:
     assert d[0]["response_mask"] == trajs[0][1].response_mask
     assert d[0]["response_logprobs"] == pytest.approx(trajs[0][1].response_logprobs)
     assert d[1]["reward"] is None and d[2]["status"] == "failed"
-    assert json.loads(d[0]["messages"])[0] == {"role": "user", "content": "q"}
     assert dict(d[0]["metrics"]) == {"generate_seconds": 0.3, "tool_seconds": 0.1}
     assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+
+
+def test_parquet_messages_are_structs_and_turn_rewards_floats(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    t = make_traj("a#0")
+    t.messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "q"}], "lang": "en"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}}]},
+        {"role": "tool", "content": "3", "name": "calculator", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 3."},
+    ]
+    t.turn_rewards = [0.5, 1.0]
+    path = write_parquet(tmp_path / "t.parquet", [(1, t), (1, make_traj("a#1"))])
+    table = pq.read_table(path)
+    assert table.schema.field("messages").type == pa.list_(pa.struct([(f, pa.string()) for f in MESSAGE_FIELDS]))
+    assert table.schema.field("turn_rewards").type == pa.list_(pa.float64())
+    df = table.to_pydict()  # column → values, like a DataFrame (`table.to_pandas()` reads the same)
+    # Readable without decoding JSON: the messages are a list of records.
+    assert df["messages"][0][0]["role"] == "system" and df["messages"][0][0]["content"] == "be brief"
+    assert [m["role"] for m in df["messages"][0]] == ["system", "user", "assistant", "tool", "assistant"]
+    tool = df["messages"][0][3]
+    assert (tool["name"], tool["tool_call_id"], tool["content"]) == ("calculator", "c1", "3")
+    assert json.loads(df["messages"][0][2]["tool_calls"])[0]["function"]["arguments"] == {"expression": "1 + 2"}
+    assert list(df["turn_rewards"][0]) == [0.5, 1.0] and list(df["turn_rewards"][1]) == []
+    # Nothing of a message is lost: other keys and list content come back through `extra`.
+    rows = table.to_pylist()
+    assert [message_from_parquet(m) for m in rows[0]["messages"]] == t.messages
+    assert [message_from_parquet(m) for m in rows[1]["messages"]] == make_traj("a#1").messages
 
 
 def test_summary_numbers() -> None:
