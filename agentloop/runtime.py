@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 import anyio
 import anyio.from_thread
 
-from .batch import RolloutBatch, collate
+from .batch import CollateError, RolloutBatch, collate
 from .config import RuntimeConfig
 from .engine.base import EngineClient
 from .engine.lifecycle import Lifecycle, Weights
@@ -40,13 +40,33 @@ from .types import Sample, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Runtime", "RuntimeError_", "StepResult", "StepStream"]
+__all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepResult", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
 
 class RuntimeError_(RuntimeError):
     """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
+
+
+class StepCollateError(RuntimeError_):
+    """The rollout finished but its trajectories cannot be collated (e.g. one is longer than `pad_to`).
+    Nothing is lost: the step's `trajectories` and `carry_over` are on the exception."""
+
+    def __init__(self, message: str, trajectories: list[Trajectory], carry_over: list[Sample]) -> None:
+        super().__init__(message)
+        self.trajectories = trajectories
+        self.carry_over = carry_over
+
+
+def _check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
+    """`pad_to` checked before any engine wakes: None or (prompt_len, response_len), each None or >= 1."""
+    if pad_to is None:
+        return None
+    if not isinstance(pad_to, (tuple, list)) or len(pad_to) != 2 or not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in pad_to):
+        raise ValueError(f"pad_to must be None or (prompt_len, response_len), each a positive int or None; got {pad_to!r}")
+    return (pad_to[0], pad_to[1])
 
 
 @dataclass
@@ -269,7 +289,10 @@ class Runtime:
         """Wake the engines with `weights` (staged), run every sample's agent loop, collate, sleep.
 
         `overrides` replace scheduler settings for this step (e.g. `n=4`, `target_groups=8`).
+        `pad_to=(prompt_len, response_len)` pads the batch to fixed lengths (either None = the batch's
+        longest); a trajectory longer than that raises `StepCollateError`, which keeps the step's results.
         """
+        pad_to = _check_pad_to(pad_to)
         if not self.started:
             await self.start()
         assert self.lifecycle is not None and self.scheduler is not None
@@ -289,7 +312,11 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await lc.sleep()
             t_end = time.monotonic()
-            batch = collate(result.trajectories, pad_token_id=self.pad_token_id)
+            try:
+                batch = collate(result.trajectories, pad_token_id=self.pad_token_id, pad_to=pad_to)
+            except CollateError as e:
+                raise StepCollateError(f"step {self.steps_done + 1}: {e} (the step's trajectories and carry-over are on "
+                                       "this exception)", result.trajectories, result.carry_over) from e
             self.steps_done += 1
             metrics = dict(result.metrics)
             stages: dict[str, float] = {}
