@@ -144,7 +144,9 @@ class RolloutConfig(BaseModel):
     prompts_per_step: int | None = Field(
         16,
         ge=1,
-        description="Prompts each step takes from the dataset, in order, wrapping around. None: every row each step.",
+        description="Prompts each step takes from the dataset, in order, wrapping around. None: every row each step. "
+        "With runtime.scheduler.target_groups set, a step launches ceil(target_groups x oversample_factor) groups "
+        "instead, the groups carried over from the previous step included.",
     )
     on_bad_row: Literal["skip", "stop"] = Field(
         "skip",

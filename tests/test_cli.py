@@ -190,3 +190,77 @@ def test_quiet_progress_writes_plain_lines() -> None:
     assert "step 1/2: 1/3 done" in lines[1] and "3/3 done" in lines[2] and "1 errors" in lines[2]
     assert "2 completed" in lines[3] and "wake-up 0.500s, sleep 0.250s" in lines[3]
     assert "\x1b[" not in buf.getvalue()  # no terminal escapes in log mode
+
+
+class _FakeRuntime:
+    """Stands in for `agentloop.runtime.Runtime` to see which prompts `agentloop rollout` launches each
+    step. It plays the scheduler's over-sampling contract: with `target_groups`, the first that many
+    groups complete and the others come back as carry-over samples (group_id set)."""
+
+    launched: list[list[Sample]] = []
+
+    def __init__(self, config) -> None:  # noqa: ANN001
+        from types import SimpleNamespace
+
+        self.config = config
+        self.lifecycle = SimpleNamespace(urls=["http://fake:1"], records=[])
+        self.scheduler = None
+        self.processes: list = []
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def step(self, samples, on_trajectory=None):  # noqa: ANN001, ANN201
+        import dataclasses
+        from types import SimpleNamespace
+
+        from agentloop.types import Trajectory
+
+        _FakeRuntime.launched.append(list(samples))
+        n, target = self.config.scheduler.n, self.config.scheduler.target_groups
+        groups: dict[str, list[Sample]] = {}
+        for s in samples:
+            if s.group_id:
+                groups.setdefault(s.group_id, []).append(s)
+            else:
+                groups[s.uid] = [dataclasses.replace(s, group_id=s.uid, index_in_group=i) for i in range(n)]
+        done, carry = [], []
+        for k, (gid, members) in enumerate(groups.items()):
+            if target is not None and k >= target:
+                carry.extend(members)
+                continue
+            for m in members:
+                t = Trajectory(uid=f"{gid}_{m.index_in_group}", group_id=gid, prompt_ids=[1],
+                               index_in_group=m.index_in_group)
+                done.append(t)
+                await on_trajectory(t)
+        return SimpleNamespace(trajectories=done, carry_over=carry, metrics={"rollout_seconds": 0.01})
+
+
+def test_rollout_over_samples_target_groups_and_carries_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With target_groups, each step launches ceil(target_groups x oversample_factor) groups, the
+    previous step's carried-over groups among them, and fresh rows continue where the last step stopped."""
+    import agentloop.runtime
+
+    monkeypatch.setattr(agentloop.runtime, "Runtime", _FakeRuntime)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"p{i}", "prompt": f"q{i}"}) + "\n" for i in range(10)))
+    out = tmp_path / "out"
+    base = ["rollout", "--data", str(data), "--out", str(out), "--n", "2", "-q", "--no-timeline"]
+    _FakeRuntime.launched = []
+    assert main([*base, "--steps", "3", "--set", "runtime.scheduler.target_groups=2",
+                 "--set", "runtime.scheduler.oversample_factor=1.5"]) == 0
+    launched = [[s.group_id or s.uid for s in step] for step in _FakeRuntime.launched]
+    # ceil(2 x 1.5) = 3 groups a step: p0-p2; then carried p2 (both members) + p3, p4; then p4 + p5, p6.
+    assert [list(dict.fromkeys(g)) for g in launched] == [["p0", "p1", "p2"], ["p2", "p3", "p4"], ["p4", "p5", "p6"]]
+    assert launched[1][:2] == ["p2", "p2"] and all(s.group_id for s in _FakeRuntime.launched[1][:2])
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["trajectories"] for s in summary["per_step"]] == [4, 4, 4]  # target_groups x n each step
+    # Without target_groups: prompts_per_step fresh rows a step, nothing carried.
+    _FakeRuntime.launched = []
+    assert main([*base, "--steps", "2", "--prompts-per-step", "4"]) == 0
+    assert [[s.uid for s in step] for step in _FakeRuntime.launched] == [["p0", "p1", "p2", "p3"],
+                                                                        ["p4", "p5", "p6", "p7"]]

@@ -55,24 +55,34 @@ from ..types import Sample, Trajectory
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # ------------------------------------------------------------------------------------ the run
-def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> list[Sample]:
-    """The prompts of step `step` (1-based): the next `per_step` rows in order, wrapping around.
+def take_prompts(samples: Sequence[Sample], start: int, count: int) -> list[Sample]:
+    """`count` rows from position `start` of the endless repetition of `samples` (in order, wrapping).
 
-    A row seen again in a later step gets its uid suffixed with the step (uids name groups and must
+    A row seen again (a later lap) gets its uid suffixed with the lap (uids name groups and must
     stay unique across the run's output)."""
-    if per_step is None:
-        picked = list(samples)
-        start = 0
-    else:
-        start = (step - 1) * per_step
-        picked = [samples[(start + i) % len(samples)] for i in range(per_step)]
     out = []
-    for i, s in enumerate(picked):
-        lap = (start + i) // len(samples)
-        if per_step is None:
-            lap = step - 1
+    for pos in range(start, start + count):
+        s = samples[pos % len(samples)]
+        lap = pos // len(samples)
         out.append(s if lap == 0 else _relabel(s, f"{s.uid}@{lap}"))
     return out
+
+
+def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> list[Sample]:
+    """The prompts of step `step` (1-based) when every step takes `per_step` fresh rows (None: all)."""
+    if per_step is None:
+        return take_prompts(samples, (step - 1) * len(samples), len(samples))
+    return take_prompts(samples, (step - 1) * per_step, per_step)
+
+
+def groups_per_step(cfg: RolloutConfig) -> int | None:
+    """How many prompt groups each step launches: `prompts_per_step`, or with over-sampling
+    (`runtime.scheduler.target_groups` set) ceil(target_groups x oversample_factor), which the
+    scheduler cuts back to `target_groups` complete groups (None: every row each step)."""
+    sched = cfg.runtime.scheduler
+    if sched.target_groups is None:
+        return cfg.prompts_per_step
+    return sched.prompts_per_step(sched.target_groups)
 
 
 def _relabel(s: Sample, uid: str) -> Sample:
@@ -130,8 +140,18 @@ async def _run_steps(run: _Run) -> None:
         clear_outputs(out)
         run.stream = TrajectoryStream(out).open()
         carry: list[Sample] = []
+        per_step = groups_per_step(cfg)
+        drawn = 0  # rows taken from the dataset so far
         for step in range(1, cfg.steps + 1):
-            prompts = carry + step_prompts(run.dataset.samples, step, cfg.prompts_per_step)
+            if per_step is None:
+                fresh = step_prompts(run.dataset.samples, step, None)
+            else:
+                # Groups carried over from the last step (over-sampling's unfinished ones) are part
+                # of this step's launch, as in the scheduler's feeder contract: fresh rows fill the rest.
+                count = max(0, per_step - len({s.group_id for s in carry}))
+                fresh = take_prompts(run.dataset.samples, drawn, count)
+                drawn += count
+            prompts = carry + fresh
             by_group = {p.group_id or p.uid: p for p in prompts}
             rec = _StepRecord(step)
             run.steps.append(rec)
