@@ -100,6 +100,12 @@ class SchedulerConfig(_Strict):
         10.0, gt=0, description="Seconds a stopped trajectory gets to return its partial result before it is cancelled."
     )
     reward_timeout: float = Field(30.0, gt=0, description="Seconds one reward computation may take.")
+    reward: str | None = Field(
+        "arithmetic",
+        description="Reward function (registered name, see `agentloop.rewards`) for samples that name none but "
+        "carry a `ground_truth`; samples with neither are not scored. Default: the arithmetic task's grader. None: "
+        "only samples naming a reward are scored. A trainer's `Runtime(reward_fn=...)` replaces both.",
+    )
     target_groups: int | None = Field(
         None,
         ge=1,

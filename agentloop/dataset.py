@@ -1,9 +1,12 @@
 """Prompt datasets: JSONL or Parquet rows → `agentloop.types.Sample`.
 
 A row holds `messages` (OpenAI chat format) or `prompt` (a string, becomes one user message), and
-optionally `tools` (OpenAI function schemas), `agent` (agent-loop name), `reward` (reward-function
-name), `ground_truth`, `uid`/`id`, and `extra`. Any other top-level key is carried through in
-`Sample.extra` untouched, next to the row's own `extra` dict.
+optionally `tools` (OpenAI function schemas), `agent` (agent-loop name), `reward`, `ground_truth`,
+`uid`/`id`, and `extra`. `reward` is a reward-function name or a spec `{"name": ..., "ground_truth":
+..., **kwargs}` (the kwargs go to the function as keyword arguments, `Sample.reward_kwargs`); a row
+without one is scored by the runtime's default reward (`SchedulerConfig.reward`) if it has a ground
+truth. Any other top-level key is carried through in `Sample.extra` untouched, next to the row's own
+`extra` dict.
 
 A bad row is never dropped silently: it becomes a `BadRow` naming the file, the line (JSONL) or
 row number (Parquet, 1-based) and the problem. With `on_bad_row="skip"` it is counted and reported
@@ -65,7 +68,7 @@ class _Row(BaseModel):
     prompt: str | None = None
     tools: list[dict[str, Any]] | None = None
     agent: str | None = None
-    reward: str | None = None
+    reward: str | dict[str, Any] | None = None
     ground_truth: Any = None
     uid: str | int | None = None
     id: str | int | None = None
@@ -81,6 +84,30 @@ class _Row(BaseModel):
                     f"tools[{i}] is not an OpenAI function schema "
                     '({"type": "function", "function": {"name": ..., "parameters": ...}})')
         return tools
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, reward: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(reward, dict) and (not isinstance(reward.get("name"), str) or not reward["name"]):
+            raise ValueError('a reward spec needs a "name" (a reward-function name), e.g. '
+                             '{"name": "arithmetic", "ground_truth": 3}')
+        if isinstance(reward, str) and not reward:
+            raise ValueError("reward name is empty")
+        return reward
+
+    def reward_parts(self) -> tuple[str | None, Any, dict[str, Any]]:
+        """(reward name, ground truth, reward kwargs) from `reward` (name or spec) and `ground_truth`."""
+        if not isinstance(self.reward, dict):
+            return self.reward, self.ground_truth, {}
+        kwargs = dict(self.reward)
+        name = kwargs.pop("name")
+        gt = self.ground_truth
+        if "ground_truth" in kwargs:
+            spec_gt = kwargs.pop("ground_truth")
+            if gt is not None and gt != spec_gt:
+                raise ValueError(f"ground_truth given twice with different values: {gt!r} and reward.ground_truth {spec_gt!r}")
+            gt = spec_gt
+        return name, gt, kwargs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "_Row":
@@ -118,8 +145,9 @@ def row_to_sample(
         raise ValueError(_format_validation_error(e)) from None
     if known_agents is not None and r.agent is not None and r.agent not in set(known_agents):
         raise ValueError(f"agent: unknown agent loop {r.agent!r}; known: {sorted(known_agents)}")
-    if known_rewards is not None and r.reward is not None and r.reward not in set(known_rewards):
-        raise ValueError(f"reward: unknown reward function {r.reward!r}; known: {sorted(known_rewards)}")
+    reward, ground_truth, reward_kwargs = r.reward_parts()
+    if known_rewards is not None and reward is not None and reward not in set(known_rewards):
+        raise ValueError(f"reward: unknown reward function {reward!r}; known: {sorted(known_rewards)}")
     if r.messages is not None:
         messages = [m.model_dump(exclude_none=False) for m in r.messages]
     else:
@@ -131,8 +159,9 @@ def row_to_sample(
         uid=str(uid) if uid is not None else default_uid,
         messages=messages,
         tools=r.tools,
-        ground_truth=r.ground_truth,
-        reward=r.reward,
+        ground_truth=ground_truth,
+        reward=reward,
+        reward_kwargs=reward_kwargs,
         extra=extra,
     )
     if r.agent is not None:

@@ -136,13 +136,13 @@ async def call_reward(
     """Run one reward function on a finished trajectory and return its result (None: it returned None,
     i.e. it does not score this trajectory). Raises what the function raised, or `TimeoutError`.
 
-    `fn(trajectory, sample)` — plus `timeout=` if it takes that keyword, so it
+    `fn(trajectory, sample, **sample.reward_kwargs)` — plus `timeout=` if it takes that keyword, so it
     can bound its own work (it then gets one extra second before it is cut off, to report its own
     error). Async functions are awaited; sync ones run in a worker thread so a slow grader never
     blocks the event loop; either way the call is cancelled past `timeout` seconds.
     """
     name = name or reward_name(fn)
-    kwargs: dict[str, Any] = {}
+    kwargs = dict(sample.reward_kwargs)
     limit = timeout
     if _accepts(fn, "timeout"):
         kwargs["timeout"] = timeout
@@ -172,11 +172,12 @@ async def score(
     fn: Callable[..., Any] | None = None,
 ) -> None:
     """Score a finished trajectory: with `fn` if given, else the function named by `sample.reward`,
-    else `default`; no function → nothing is scored. Sets `trajectory.reward` (and `turn_rewards`,
+    else `default` (only for a sample with a `ground_truth`: a dataset-wide grader needs an answer to
+    grade against); no function → nothing is scored. Sets `trajectory.reward` (and `turn_rewards`,
     `extra["reward_info"]`). Never raises for a grader's fault: the error goes to
     `extra["reward_error"]` / `metrics["reward_error"]` (see `call_reward` for how it runs)."""
     if fn is None:
-        name = sample.reward or default
+        name = sample.reward or (default if sample.ground_truth is not None else None)
         if not name:
             return
     else:

@@ -297,6 +297,11 @@ class Runtime:
             await self.start()
         assert self.lifecycle is not None and self.scheduler is not None
         cfg = with_overrides(self.config.scheduler, overrides)
+        if self.reward_fn is None and cfg.reward is not None:
+            from .rewards import registered_rewards
+
+            if cfg.reward not in registered_rewards():  # refused before any engine wakes, not per trajectory
+                raise ValueError(f"scheduler.reward: unknown reward function {cfg.reward!r}; registered: {registered_rewards()}")
         async with self._step_lock:
             lc = self.lifecycle
             first_record = len(lc.records)

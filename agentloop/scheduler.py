@@ -14,7 +14,8 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
   the others go on. Results come back in input order.
 - **Rewards**: completed and truncated trajectories are scored by `agentloop.rewards.score` with the
   trainer's `reward_fn` (sync or async, off the event loop, under `reward_timeout`), else the sample's
-  named reward function; a grader that fails or times out marks its trajectory failed with the error.
+  named reward function, else `reward` (the dataset default) if the sample has a ground truth; a
+  grader that fails or times out marks its trajectory failed with the error.
 - **Over-sampling + early stop**: with `target_groups`, once that many groups are complete (every
   member completed or truncated) the rest are stopped and aborted on the servers; their groups come
   back as `carry_over` samples (`Sample.resume_from` = the partial trajectory, each turn tagged with
@@ -325,10 +326,11 @@ class _Run:
             traj.extra["servers"] = list(dict.fromkeys(traj.extra.get("servers", []) + session.servers))
 
     async def _score(self, traj: Trajectory, job: Sample) -> None:
-        """Score through `rewards.score` (the trainer's function, else the sample's named one): sync
-        graders run off the event loop, under `reward_timeout`. A reward that cannot be computed makes
-        the trajectory untrainable: it is marked failed with the grader's error; the step goes on."""
-        await rewards.score(traj, job, timeout=self.cfg.reward_timeout, fn=self.s.reward_fn)
+        """Score through `rewards.score` (the trainer's function, else the sample's named one, else
+        `config.reward` for a sample with a ground truth): sync graders run off the event loop, under
+        `reward_timeout`. A reward that cannot be computed makes the trajectory untrainable: it is
+        marked failed with the grader's error; the step goes on."""
+        await rewards.score(traj, job, timeout=self.cfg.reward_timeout, default=self.cfg.reward, fn=self.s.reward_fn)
         error = traj.extra.get("reward_error")
         if error:
             traj.status, traj.error = "failed", f"reward failed: {error}"

@@ -18,7 +18,9 @@ STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 class Sample:
     """One prompt row. `messages` is OpenAI chat format; `tools` OpenAI function schemas (or None = the
     agent's configured tools); `agent` picks the agent loop by registry name; `ground_truth` and
-    `reward` (a reward-function name) feed the reward; `extra` is carried through untouched."""
+    `reward` (a reward-function name; None: the runtime's default, `SchedulerConfig.reward`) feed the
+    reward, with `reward_kwargs` passed to that function as keyword arguments; `extra` is carried
+    through untouched."""
 
     uid: str
     messages: list[dict[str, Any]]
@@ -32,6 +34,8 @@ class Sample:
     index_in_group: int = 0
     #: A partial trajectory from an earlier step to continue (partial rollout), if any.
     resume_from: "Trajectory | None" = None
+    #: Keyword arguments for the reward function (from a row's `reward` spec), e.g. `{"tolerance": 0.01}`.
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

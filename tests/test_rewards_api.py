@@ -1,7 +1,8 @@
 """A trainer's own reward function (`Runtime(reward_fn=...)` / `Scheduler(reward_fn=...)`): plain sync or
 async `f(trajectory, sample)`, run off the event loop under `reward_timeout` by `rewards.call_reward`
 (the same helper `rewards.score` uses); `timeout=` only for functions that take it; a grader that
-raises or hangs fails its own trajectory, never the step."""
+raises or hangs fails its own trajectory, never the step. Rows name a reward or give a spec
+`{"name", "ground_truth", **kwargs}`; `SchedulerConfig.reward` scores rows with a ground truth and no name."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from agentloop.agents.base import AgentConfig
 from agentloop.config import SchedulerConfig
 from agentloop.engine.lifecycle import Lifecycle
 from agentloop.engine.router import Router
-from agentloop.rewards import RewardResult, call_reward, score
+from agentloop.dataset import row_to_sample
+from agentloop.rewards import RewardResult, call_reward, register_reward, registered_rewards, score
 from agentloop.runtime import Runtime
 from agentloop.scheduler import Scheduler
 from agentloop.types import Sample, Trajectory
@@ -132,3 +134,66 @@ async def test_a_hanging_or_raising_reward_fails_only_its_trajectory() -> None:
     assert by["p1"].status == "failed" and "timed out after 0.3 s" in by["p1"].error and by["p1"].reward is None
     assert by["p2"].status == "failed" and "ZeroDivisionError: grader bug" in by["p2"].error
     assert by["p1"].response_ids and by["p2"].response_ids  # the rollout itself is kept
+
+
+# ------------------------------------------------------------------ reward specs in rows, the default reward
+
+
+@register_reward("test_gt_plus")
+def gt_plus(traj: Trajectory, sample: Sample, *, offset: float = 0.0) -> float:
+    return float(sample.ground_truth) + offset
+
+
+@register_reward("test_constant")
+def constant(traj: Trajectory, sample: Sample) -> float:
+    return 7.0
+
+
+def test_row_reward_spec_dict_sets_name_ground_truth_and_kwargs() -> None:
+    s = row_to_sample({"prompt": "x", "reward": {"name": "arithmetic", "ground_truth": 3}}, default_uid="u",
+                      known_rewards=registered_rewards())
+    assert s.reward == "arithmetic" and s.ground_truth == 3 and s.reward_kwargs == {}
+    s = row_to_sample({"prompt": "x", "ground_truth": 2, "reward": {"name": "test_gt_plus", "offset": 0.5}}, default_uid="u")
+    assert s.reward == "test_gt_plus" and s.ground_truth == 2 and s.reward_kwargs == {"offset": 0.5}
+    assert row_to_sample({"prompt": "x", "reward": "arithmetic"}, default_uid="u").reward_kwargs == {}
+    for row, problem in [
+        ({"prompt": "x", "reward": {"ground_truth": 3}}, 'reward: a reward spec needs a "name"'),
+        ({"prompt": "x", "reward": {"name": "arithmetic", "ground_truth": 3}, "ground_truth": 4}, "ground_truth given twice"),
+        ({"prompt": "x", "reward": {"name": "nope"}}, "unknown reward function 'nope'"),
+        ({"prompt": "x", "reward": 3}, "reward"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            row_to_sample(row, default_uid="u", known_rewards=registered_rewards())
+
+
+def test_default_reward_scores_rows_with_a_ground_truth_for_two_steps() -> None:
+    rows = [
+        Sample(uid="gt", messages=[], agent="scripted", ground_truth=4),  # no name: the config's default
+        Sample(uid="none", messages=[], agent="scripted"),  # nothing to grade against: not scored
+        Sample(uid="named", messages=[], agent="scripted", reward="test_constant"),  # its own reward wins
+        Sample(uid="kw", messages=[], agent="scripted", ground_truth=1, reward="test_gt_plus", reward_kwargs={"offset": 2}),
+    ]
+    with Runtime({"scheduler": {"reward": "test_gt_plus"}}, clients=[FakeEngine("http://a")], tokenizer=TOK,
+                 tools=object()) as rt:
+        for _ in range(2):
+            res = rt.step_sync(rows)
+            assert [t.status for t in res.trajectories] == ["completed"] * 4
+            assert [t.reward for t in res.trajectories] == [4.0, None, 7.0, 3.0]
+        # per step too; an unknown name is refused before any engine wakes
+        assert [t.reward for t in rt.step_sync(rows[:1], reward=None).trajectories] == [None]
+        records = len(rt.lifecycle.records)
+        with pytest.raises(ValueError, match="scheduler.reward: unknown reward function 'nope'"):
+            rt.step_sync(rows, reward="nope")
+        assert len(rt.lifecycle.records) == records
+
+
+async def test_the_shipped_default_reward_is_arithmetic() -> None:
+    assert SchedulerConfig().reward == "arithmetic"
+    lc = Lifecycle([FakeEngine("http://a")], awake=True)
+    sched = Scheduler(Router(lc), tokenizer=None, agent_config=AgentConfig())
+    # the docs' row {"prompt": "What is 7 * 6?", "ground_truth": 42}: graded (0.0: the scripted loop says nothing)
+    s = row_to_sample({"prompt": "What is 7 * 6?", "ground_truth": 42}, default_uid="d")
+    s.agent = "scripted"
+    res = await sched.run([s])
+    t = res.trajectories[0]
+    assert t.status == "completed" and t.reward == 0.0 and t.extra["reward_info"]["expected"] == 42
