@@ -284,7 +284,7 @@ def test_shipped_example_config_loads():
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool"}, {"class_name": "nope.Nope"}]},
          r"tools\[1\]\.class_name: cannot load 'nope.Nope': No module named 'nope'"),
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.Missing"}]}, r"tools\[0\]\.class_name: .*has no attribute 'Missing'"),
-        ({"tools": [{"class_name": "agentloop.tools.registry.ToolRegistry"}]}, r"tools\[0\]\.class_name: .*not a subclass of agentloop.tools.Tool"),
+        ({"tools": [{"class_name": "agentloop.tools.registry.ToolRegistry"}]}, r"tools\[0\]\.class_name: .*is not a tool class: no async `execute` method"),
         ({"tools": [{"class_name": "Calculator"}]}, r"tools\[0\]\.class_name: .*not a dotted path"),
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "config": {"bogus": 1}}]},
          r"tools\[0\]\.config: CalculatorTool does not accept it: .*bogus"),
@@ -376,3 +376,153 @@ def test_verl_tool_types_other_than_native_are_refused_clearly(kind):
              "mcp": {"mcp_servers_config_path": "servers.json"}}
     with pytest.raises(ToolConfigError, match=rf"tools\[0\]\.config\.type: {kind!r} tools are not supported; agentloop runs native tools only"):
         ToolRegistry.from_config({"tools": [entry]})
+
+
+class DuckCalculator:
+    """A tool by shape only: no `Tool` base class, just name, schema and an async execute."""
+
+    name = "duck_calc"
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "duck_calc",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]},
+        },
+    }
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        return str(arguments["a"] + arguments["b"])
+
+
+async def test_a_duck_typed_tool_registers_validates_and_runs():
+    reg = ToolRegistry([DuckCalculator(), CalculatorTool()])
+    assert reg.names() == ["duck_calc", "calculator"]
+    assert reg.schemas(["duck_calc"]) == [DuckCalculator.schema]
+    res = await reg.execute_calls(
+        [ToolCall("duck_calc", {"a": 2, "b": 40}, ""), ToolCall("duck_calc", {"a": "2"}, "")],
+        context=ctx(), timeout=5, max_parallel=2,
+    )
+    assert (res[0].ok, res[0].content) == (True, "42")
+    assert res[1].error_kind == "bad_arguments" and "'b' is a required property" in res[1].content
+
+
+def test_a_duck_typed_tool_class_loads_from_yaml_with_a_schema_override(tmp_path):
+    p = tmp_path / "tools.yaml"
+    p.write_text(textwrap.dedent("""
+        tools:
+          - class_name: tests.test_tools_registry.DuckCalculator
+            tool_schema:
+              type: function
+              function: {name: add, description: Add a and b.}
+    """))
+    reg = ToolRegistry.from_yaml(p)
+    assert reg.names() == ["add"] and type(reg.get("add")).__name__ == "DuckCalculator"
+    fn = reg.schemas()[0]["function"]
+    assert (fn["name"], fn["description"], fn["parameters"]["required"]) == ("add", "Add a and b.", ["a", "b"])
+    assert DuckCalculator.schema["function"]["name"] == "duck_calc"  # the class's schema is left alone
+
+
+class SyncExecute:
+    name = "sync"
+    schema = {"type": "function", "function": {"name": "sync", "parameters": {"type": "object"}}}
+
+    def execute(self, arguments, context):
+        return "not awaitable"
+
+
+class Mismatch(DuckCalculator):
+    name = "other_name"
+
+
+class NotAFunctionSchema(DuckCalculator):
+    schema = {"type": "retrieval"}
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        (object(), r"tools\[0\]: object object is not a tool: `name` \(a non-empty str\); `execute` \(async def execute.*; `schema` \(an OpenAI function schema"),
+        (SyncExecute(), r"SyncExecute object is not a tool: `execute` must be an async method"),
+        (Mismatch(), r"tool name 'other_name' differs from its schema's function name 'duck_calc'"),
+        (NotAFunctionSchema(), r"`schema` must be an OpenAI function schema"),
+    ],
+)
+def test_objects_that_are_not_tools_are_refused_naming_what_is_missing(obj, message):
+    with pytest.raises(ToolConfigError, match=message):
+        ToolRegistry([obj])
+
+
+class VerlStyleTool:
+    """Per-trajectory state the verl way: `create(instance_id, **create_kwargs)` / `release(instance_id)`,
+    state kept by instance id (here the trajectory id) on the shared tool."""
+
+    name = "grader"
+    schema = {"type": "function", "function": {"name": "grader", "parameters": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+
+    def __init__(self) -> None:
+        self.instances: dict[str, dict[str, Any]] = {}
+        self.log: list[tuple[str, str]] = []
+
+    async def create(self, instance_id: str, ground_truth: str | None = None, **kwargs: Any) -> str:
+        self.log.append(("create", instance_id))
+        self.instances[instance_id] = {"ground_truth": ground_truth, "calls": 0}
+        return instance_id
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        inst = self.instances[context.trajectory_id]
+        inst["calls"] += 1
+        return "correct" if arguments["answer"] == inst["ground_truth"] else "wrong"
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self.log.append(("release", instance_id))
+        del self.instances[instance_id]
+
+
+async def test_verl_style_create_and_release_get_the_trajectory_id_and_create_kwargs():
+    tool = VerlStyleTool()
+    reg = ToolRegistry([tool])
+    a = ToolContext("a", extra={"tools_kwargs": {"grader": {"create_kwargs": {"ground_truth": "7"}}}})
+    b = ToolContext("b")  # no tools_kwargs: create gets the instance id alone
+    async with reg.trajectory(a), reg.trajectory(b):
+        assert tool.instances == {"a": {"ground_truth": "7", "calls": 0}, "b": {"ground_truth": None, "calls": 0}}
+        ra = await reg.execute_calls([ToolCall("grader", {"answer": "7"}, "")], context=a, timeout=1, max_parallel=1)
+        rb = await reg.execute_calls([ToolCall("grader", {"answer": "7"}, "")], context=b, timeout=1, max_parallel=1)
+        assert (ra[0].content, rb[0].content) == ("correct", "wrong")
+    assert tool.instances == {} and sorted(tool.log) == [("create", "a"), ("create", "b"), ("release", "a"), ("release", "b")]
+
+
+class BothNamings(StatefulTool):
+    """Defines this package's hooks and verl's: `create_state`/`release_state` win, verl's are not called."""
+
+    name = "both"
+
+    async def create(self, instance_id: str, **kwargs: Any) -> None:
+        raise AssertionError("create_state is the hook when a tool has both")
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        raise AssertionError("release_state is the hook when a tool has both")
+
+
+async def test_create_state_wins_over_verl_names_and_a_sync_create_is_not_a_hook():
+    tool = BothNamings()
+    reg = ToolRegistry([tool])
+    async with reg.trajectory(ctx("x")) as c:
+        assert c.state == {"both": 0}
+    assert tool.released == ["x"]
+
+    class Factory(DuckCalculator):
+        @classmethod
+        def create(cls) -> "Factory":  # a sync factory named `create` is not verl's hook
+            return cls()
+
+    from agentloop.tools import state_hooks
+
+    assert state_hooks(Factory()) == (None, None)
+    async with ToolRegistry([Factory()]).trajectory(ctx("y")):  # nothing to create: no call to the factory
+        pass
+    assert not CalculatorTool().has_state()
+    create, release = state_hooks(VerlStyleTool())
+    assert create is not None and release is not None

@@ -1,16 +1,22 @@
-"""The tool contract: what a tool is (`Tool`), what it sees per trajectory (`ToolContext`) and what one
-call produced (`ToolResult`).
+"""The tool contract: what a tool is (`ToolLike`, structurally; `Tool`, a convenient base class), what it
+sees per trajectory (`ToolContext`) and what one call produced (`ToolResult`).
+
+Any object with a `name`, an OpenAI function `schema` and an async `execute(arguments, context)` is a
+tool; subclassing `Tool` is optional. `tool_problems` says what an object lacks.
 
 Tools are built once per worker and shared by every trajectory, so a tool keeps per-trajectory data in
-`context.state` (created/released by `create_state`/`release_state`), never on `self`.
+`context.state` (created/released by `create_state(context)`/`release_state(context)`), or, verl-style,
+keyed by the trajectory id it gets in `create(instance_id, **kwargs)`/`release(instance_id, **kwargs)`;
+never in one shared attribute. `state_hooks` finds a tool's pair, whichever names it uses.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Awaitable, Callable, ClassVar, Literal, Mapping, Protocol, runtime_checkable
 
 ErrorKind = Literal["parse", "unknown_tool", "bad_arguments", "timeout", "exception"]
 
@@ -54,6 +60,105 @@ class ToolResult:
     call_id: str | None = None
 
 
+@runtime_checkable
+class ToolLike(Protocol):
+    """What the registry needs of a tool. Structural: any object with these members is a tool.
+    Optional members: `create_state(context)`/`release_state(context)` or verl's
+    `create(instance_id, **kwargs)`/`release(instance_id, **kwargs)` (see `state_hooks`)."""
+
+    name: str
+
+    @property
+    def schema(self) -> Mapping[str, Any]:
+        """OpenAI function schema `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+        ...
+
+    async def execute(self, arguments: dict[str, Any], context: "ToolContext") -> str: ...
+
+
+def is_async_callable(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def tool_problems(obj: Any) -> list[str]:
+    """What keeps `obj` from being a tool (empty if nothing): each item names the missing or wrong member."""
+    problems: list[str] = []
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        problems.append("`name` (a non-empty str)" + ("" if name is None else f", got {name!r}"))
+    execute = getattr(obj, "execute", None)
+    if execute is None:
+        problems.append("`execute` (async def execute(self, arguments, context) -> str)")
+    elif not is_async_callable(execute):
+        problems.append("`execute` must be an async method (async def execute(self, arguments, context) -> str)")
+    try:
+        schema = getattr(obj, "schema", None)
+    except Exception as e:  # a schema property that raises
+        problems.append(f"`schema` raised {type(e).__name__}: {e}")
+        return problems
+    if schema is None:
+        problems.append('`schema` (an OpenAI function schema {"type": "function", "function": {...}})')
+    elif function_of(schema) is None:
+        problems.append('`schema` must be an OpenAI function schema {"type": "function", "function": {"name", "parameters"}}'
+                        f", got {schema!r:.120}")
+    for hook in ("create_state", "release_state"):  # verl's create/release count only when async
+        fn = getattr(obj, hook, None)
+        if fn is not None and not is_async_callable(fn):
+            problems.append(f"`{hook}` must be an async method")
+    return problems
+
+
+def function_of(schema: Any) -> Mapping[str, Any] | None:
+    """The `function` part of an OpenAI tool schema (a bare function dict is accepted too), or None."""
+    if not isinstance(schema, Mapping) or schema.get("type", "function") != "function":
+        return None
+    fn = schema.get("function", schema)
+    return fn if isinstance(fn, Mapping) else None
+
+
+StateHook = Callable[["ToolContext"], Awaitable[Any]]
+
+
+def _overrides(tool: Any, attr: str) -> bool:
+    """`tool` has an `attr` of its own (not the no-op default of the `Tool` base class)."""
+    own = getattr(tool, attr, None)
+    return own is not None and getattr(own, "__func__", own) is not getattr(Tool, attr)
+
+
+def state_hooks(tool: Any, name: str | None = None) -> tuple[StateHook | None, StateHook | None]:
+    """(create, release) of a tool's per-trajectory state as callables of the `ToolContext`, or None.
+
+    `create_state(context)`/`release_state(context)` (this package's names) are used when the tool
+    defines either; otherwise verl's `create(instance_id, **create_kwargs)`/`release(instance_id,
+    **release_kwargs)` with the trajectory id as instance id and, as in verl, the keyword arguments
+    from the sample's `tools_kwargs[<name>]["create_kwargs"/"release_kwargs"]` when it has them
+    (`name`: the tool's registered name, default `tool.name`)."""
+    if _overrides(tool, "create_state") or _overrides(tool, "release_state"):
+        return (tool.create_state if _overrides(tool, "create_state") else None,
+                tool.release_state if _overrides(tool, "release_state") else None)
+    # Only async ones: a sync `create` is more likely a factory than verl's per-trajectory hook.
+    create, release = (
+        fn if is_async_callable(fn) else None for fn in (getattr(tool, "create", None), getattr(tool, "release", None))
+    )
+    if create is None and release is None:
+        return None, None
+    name = name if name is not None else getattr(tool, "name", "")
+
+    def kwargs(context: ToolContext, key: str) -> dict[str, Any]:
+        every = context.extra.get("tools_kwargs")
+        mine = every.get(name) if isinstance(every, Mapping) else None
+        args = mine.get(key) if isinstance(mine, Mapping) else None
+        return dict(args) if isinstance(args, Mapping) else {}
+
+    async def create_hook(context: ToolContext) -> Any:
+        return await create(context.trajectory_id, **kwargs(context, "create_kwargs"))
+
+    async def release_hook(context: ToolContext) -> Any:
+        return await release(context.trajectory_id, **kwargs(context, "release_kwargs"))
+
+    return (create_hook if create is not None else None, release_hook if release is not None else None)
+
+
 class Tool(ABC):
     """Subclass, set `name`/`description`/`parameters` (class attributes or in `__init__`), implement
     `execute`. Keyword arguments of `__init__` are the tool's YAML `config`."""
@@ -82,9 +187,9 @@ class Tool(ABC):
     async def release_state(self, context: ToolContext) -> None:
         """Release what `create_state` made (called once when the trajectory closes, even on failure)."""
 
-    @classmethod
-    def has_state(cls) -> bool:
-        return cls.create_state is not Tool.create_state or cls.release_state is not Tool.release_state
+    def has_state(self) -> bool:
+        """Whether the tool has per-trajectory state hooks (either naming, see `state_hooks`)."""
+        return state_hooks(self) != (None, None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -1,4 +1,5 @@
-"""The per-worker tool registry: builds tools once (from objects or a verl-like YAML config), hands their
+"""The per-worker tool registry: builds tools once (from objects — anything shaped like `ToolLike` — or a
+verl-like YAML config), opens/closes their per-trajectory state, hands their
 schemas to chat templates, and executes one turn's calls with timeouts, bounded parallelism and
 argument validation, always returning one `ToolResult` per call in call order.
 
@@ -14,6 +15,7 @@ import inspect
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
@@ -21,7 +23,9 @@ import anyio
 import jsonschema
 import yaml
 
-from .base import Tool, ToolContext, ToolError, ToolResult
+from .base import (
+    StateHook, Tool, ToolContext, ToolError, ToolLike, ToolResult, function_of, is_async_callable, state_hooks, tool_problems,
+)
 from .parsers import ToolCall
 from .truncate import SIDES, Side, truncate_by_tokens
 
@@ -34,8 +38,9 @@ class ToolConfigError(ValueError):
     """A tool config entry is wrong; the message names the entry (`tools[i]`) and the field."""
 
 
-def load_tool_class(path: str) -> type[Tool]:
-    """Import `package.module.ClassName` and check it is a `Tool` subclass."""
+def load_tool_class(path: str) -> type[ToolLike]:
+    """Import `package.module.ClassName` and check it is a tool class: a `Tool` subclass, or any class
+    with an async `execute` (its instances are checked against `ToolLike` when registered)."""
     module_name, _, cls_name = path.rpartition(".")
     if not module_name:
         raise ImportError(f"{path!r} is not a dotted path 'package.module.ClassName'")
@@ -44,8 +49,13 @@ def load_tool_class(path: str) -> type[Tool]:
         cls = getattr(module, cls_name)
     except AttributeError:
         raise ImportError(f"module {module_name!r} has no attribute {cls_name!r}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Tool)):
-        raise TypeError(f"{path} is not a subclass of agentloop.tools.Tool")
+    if not isinstance(cls, type):
+        raise TypeError(f"{path} is a {type(cls).__name__}, not a class")
+    if not (issubclass(cls, Tool) or is_async_callable(getattr(cls, "execute", None))):
+        raise TypeError(
+            f"{path} is not a tool class: no async `execute` method "
+            "(subclass agentloop.tools.Tool, or give it name, schema and async execute(arguments, context))"
+        )
     return cls
 
 
@@ -60,32 +70,56 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg.splitlines()[0]}" if msg else type(e).__name__
 
 
+@dataclass
+class _Registered:
+    """A tool as registered: its OpenAI schema (YAML overrides applied), argument validator and state hooks."""
+
+    tool: ToolLike
+    schema: dict[str, Any]
+    validator: Any
+    create: StateHook | None
+    release: StateHook | None
+
+
 class ToolRegistry:
     """Tools by name. Build once per worker; share across trajectories (per-trajectory data lives in the
     `ToolContext`, see `open_trajectory`)."""
 
-    def __init__(self, tools: Iterable[Tool] = ()) -> None:
-        self._tools: dict[str, Tool] = {}
-        self._validators: dict[str, Any] = {}
+    def __init__(self, tools: Iterable[ToolLike] = ()) -> None:
+        self._tools: dict[str, _Registered] = {}
         for i, tool in enumerate(tools):
             self.add(tool, where=f"tools[{i}]")
 
     # ---- building -------------------------------------------------------------------------------
-    def add(self, tool: Tool, *, where: str = "tool") -> None:
-        if not isinstance(tool, Tool):
-            raise ToolConfigError(f"{where}: {tool!r} is not an agentloop.tools.Tool")
-        if not isinstance(tool.name, str) or not tool.name:
-            raise ToolConfigError(f"{where}: {type(tool).__name__} has no name")
-        if tool.name in self._tools:
-            raise ToolConfigError(f"{where}: duplicate tool name {tool.name!r}")
-        params = tool.parameters
+    def add(self, tool: ToolLike, *, where: str = "tool", function: Mapping[str, Any] | None = None) -> None:
+        """Register `tool`: any object with `name`, an OpenAI function `schema` and an async `execute`
+        (`ToolLike`; a `Tool` subclass or not). `function` (name/description/parameters) replaces the
+        function part of the tool's own schema (a YAML `tool_schema`)."""
+        problems = tool_problems(tool)
+        if problems:
+            raise ToolConfigError(
+                f"{where}: {type(tool).__name__} object is not a tool: " + "; ".join(problems)
+                + " (see agentloop.tools.ToolLike)"
+            )
+        if function is None:
+            fn = dict(function_of(tool.schema) or {})
+            if fn.get("name", tool.name) != tool.name:
+                raise ToolConfigError(f"{where}: tool name {tool.name!r} differs from its schema's function name {fn['name']!r}")
+        else:
+            fn = dict(function)
+        name = fn["name"] = fn.get("name") or tool.name
+        if name in self._tools:
+            raise ToolConfigError(f"{where}: duplicate tool name {name!r}")
+        params = fn.setdefault("parameters", {"type": "object", "properties": {}})
         try:
+            if not isinstance(params, Mapping):
+                raise jsonschema.SchemaError(f"{params!r} is not an object")
             cls = jsonschema.validators.validator_for(params)
             cls.check_schema(params)
         except jsonschema.SchemaError as e:
-            raise ToolConfigError(f"{where}: parameters of tool {tool.name!r} are not a valid JSON schema: {e.message}") from None
-        self._tools[tool.name] = tool
-        self._validators[tool.name] = cls(params)
+            raise ToolConfigError(f"{where}: parameters of tool {name!r} are not a valid JSON schema: {e.message}") from None
+        create, release = state_hooks(tool, name)
+        self._tools[name] = _Registered(tool, {"type": "function", "function": fn}, cls(params), create, release)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ToolRegistry":
@@ -122,16 +156,17 @@ class ToolRegistry:
         reg = cls([])
         for i, entry in enumerate(entries):
             where = f"tools[{i}]"
-            reg.add(_build_entry(entry, where), where=where)
+            tool, function = _build_entry(entry, where)
+            reg.add(tool, where=where, function=function)
         return reg
 
     # ---- lookup ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
         return list(self._tools)
 
-    def get(self, name: str) -> Tool:
+    def get(self, name: str) -> ToolLike:
         try:
-            return self._tools[name]
+            return self._tools[name].tool
         except KeyError:
             raise KeyError(f"unknown tool {name!r}; registered: {self.names()}") from None
 
@@ -144,37 +179,44 @@ class ToolRegistry:
     def schemas(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI function schemas, for the chat template's `tools=` (all tools, or `names` in order)."""
         if names is None:
-            return [t.schema for t in self._tools.values()]
-        return [self.get(n).schema for n in names]
+            names = self.names()
+        else:
+            for n in names:
+                self.get(n)  # KeyError naming the unknown tool
+        return [_copy_schema(self._tools[n].schema) for n in names]
 
     # ---- per-trajectory state -------------------------------------------------------------------
     async def open_trajectory(self, context: ToolContext) -> None:
-        """Call `create_state` of every stateful tool. If one fails, the ones already created are
-        released and the error (naming the tool) is raised."""
-        opened: list[Tool] = []
-        for tool in self._tools.values():
-            if not tool.has_state():
-                continue
-            try:
-                await tool.create_state(context)
-            except Exception as e:
-                await self._release(opened, context)
-                raise RuntimeError(f"tool {tool.name!r}: create_state failed for trajectory {context.trajectory_id}: {_first_line(e)}") from e
-            opened.append(tool)
+        """Create every stateful tool's per-trajectory state (`create_state(context)`, or verl's
+        `create(instance_id)`: see `tools.base.state_hooks`). If one fails, the ones already created
+        are released and the error (naming the tool) is raised."""
+        opened: list[str] = []
+        for name, reg in self._tools.items():
+            if reg.create is not None:
+                try:
+                    await reg.create(context)
+                except Exception as e:
+                    await self._release(opened, context)
+                    raise RuntimeError(f"tool {name!r}: create_state failed for trajectory {context.trajectory_id}: {_first_line(e)}") from e
+            opened.append(name)
 
     async def close_trajectory(self, context: ToolContext) -> None:
-        """Call `release_state` of every stateful tool (all of them, even if one fails; shielded from
-        cancellation so a cancelled trajectory still cleans up). Raises the first failure afterwards."""
-        await self._release([t for t in self._tools.values() if t.has_state()], context)
+        """Release every stateful tool's per-trajectory state (all of them, even if one fails;
+        shielded from cancellation so a cancelled trajectory still cleans up). Raises the first
+        failure afterwards."""
+        await self._release(list(self._tools), context)
 
-    async def _release(self, tools: list[Tool], context: ToolContext) -> None:
+    async def _release(self, names: list[str], context: ToolContext) -> None:
         errors: list[str] = []
         with anyio.CancelScope(shield=True):
-            for tool in tools:
+            for name in names:
+                release = self._tools[name].release
+                if release is None:
+                    continue
                 try:
-                    await tool.release_state(context)
+                    await release(context)
                 except Exception as e:
-                    errors.append(f"tool {tool.name!r}: release_state failed: {_first_line(e)}")
+                    errors.append(f"tool {name!r}: release_state failed: {_first_line(e)}")
         if errors:
             raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
 
@@ -196,7 +238,7 @@ class ToolRegistry:
             avail = ", ".join(self._tools) or "(none)"
             return "unknown_tool", f"Error: unknown tool {call.name!r}; available: {avail}"
         args = call.arguments if call.arguments is not None else {}
-        errors = sorted(self._validators[call.name].iter_errors(args), key=lambda e: list(e.absolute_path))
+        errors = sorted(self._tools[call.name].validator.iter_errors(args), key=lambda e: list(e.absolute_path))
         if errors:
             msgs = []
             for e in errors[:3]:
@@ -246,7 +288,7 @@ class ToolRegistry:
         if problem is not None:
             kind, msg = problem
             return ToolResult(index, call.name, msg, ok=False, error_kind=kind, call_id=call.id)  # type: ignore[arg-type]
-        tool = self._tools[call.name]  # type: ignore[index]
+        tool = self._tools[call.name].tool  # type: ignore[index]
         t0 = time.monotonic()
         scope: anyio.CancelScope | None = None
         try:
@@ -271,7 +313,13 @@ class ToolRegistry:
         return ToolResult(index, call.name, out, seconds=time.monotonic() - t0, call_id=call.id)
 
 
-def _build_entry(entry: Any, where: str) -> Tool:
+def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy callers may edit without changing the registry (the parameters schema is shared, read-only)."""
+    return {**schema, "function": dict(schema["function"])}
+
+
+def _build_entry(entry: Any, where: str) -> tuple[ToolLike, dict[str, Any] | None]:
+    """The tool an entry builds and its `tool_schema` override's function part (None without one)."""
     if not isinstance(entry, Mapping):
         raise ToolConfigError(f"{where}: must be a mapping with 'class_name', got {type(entry).__name__}")
     config = entry.get("config") or {}
@@ -297,9 +345,7 @@ def _build_entry(entry: Any, where: str) -> Tool:
     except Exception as e:
         raise ToolConfigError(f"{where}.config: {tool_cls.__name__}(...) failed: {type(e).__name__}: {_first_line(e)}") from e
     schema = entry.get("tool_schema")
-    if schema is not None:
-        _apply_schema(tool, schema, where)
-    return tool
+    return tool, (_apply_schema(tool, schema, where) if schema is not None else None)
 
 
 def _without_verl_type(config: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -318,22 +364,27 @@ def _without_verl_type(config: Mapping[str, Any], where: str) -> dict[str, Any]:
     return config
 
 
-def _apply_schema(tool: Tool, schema: Any, where: str) -> None:
+def _apply_schema(tool: ToolLike, schema: Any, where: str) -> dict[str, Any]:
+    """The tool's function schema with the entry's `tool_schema` fields (name, description, parameters)
+    put over it. A `Tool` subclass instance also gets them as attributes, so its own `schema` agrees."""
     field = f"{where}.tool_schema"
     if not isinstance(schema, Mapping):
         raise ToolConfigError(f"{field}: must be a mapping, got {type(schema).__name__}")
-    fn = schema.get("function", schema) if schema.get("type", "function") == "function" else None
-    if not isinstance(fn, Mapping):
+    fn = function_of(schema)
+    if fn is None:
         raise ToolConfigError(f"{field}: expected an OpenAI function schema {{type: function, function: {{name, description, parameters}}}}")
-    if "name" in fn:
-        if not isinstance(fn["name"], str) or not fn["name"]:
-            raise ToolConfigError(f"{field}.function.name: must be a non-empty string")
-        tool.name = fn["name"]
-    if "description" in fn:
-        if not isinstance(fn["description"], str):
-            raise ToolConfigError(f"{field}.function.description: must be a string")
-        tool.description = fn["description"]
-    if "parameters" in fn:
-        if not isinstance(fn["parameters"], Mapping):
-            raise ToolConfigError(f"{field}.function.parameters: must be a JSON schema object")
-        tool.parameters = dict(fn["parameters"])
+    if "name" in fn and (not isinstance(fn["name"], str) or not fn["name"]):
+        raise ToolConfigError(f"{field}.function.name: must be a non-empty string")
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise ToolConfigError(f"{field}.function.description: must be a string")
+    if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
+        raise ToolConfigError(f"{field}.function.parameters: must be a JSON schema object")
+    given = {k: (dict(fn[k]) if k == "parameters" else fn[k]) for k in ("name", "description", "parameters") if k in fn}
+    if isinstance(tool, Tool):
+        for k, v in given.items():
+            setattr(tool, k, v)
+    try:
+        own = dict(function_of(tool.schema) or {})
+    except Exception:  # a broken schema property: `add` reports it
+        own = {}
+    return {**own, **given}
