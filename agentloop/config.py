@@ -139,7 +139,7 @@ class SchedulerConfig(_Strict):
 class AgentSettings(_Strict):
     """Mirror of `agentloop.agents.AgentConfig` (per-run knobs every agent loop understands)."""
 
-    agent: str | None = Field(None, description="Agent loop for samples that name none (None: the sample's own default).")
+    agent: str | None = Field("tool", description="Agent loop (registry name) for samples that name none (None: 'tool').")
     tools: str | None = Field(None, description="Tool YAML config file. None: the built-in tools.")
     max_assistant_turns: int = Field(8, ge=1, description="Most model turns in one trajectory.")
     max_user_turns: int = Field(4, ge=0, description="Most simulated-user turns in one trajectory.")

@@ -155,18 +155,16 @@ def row_to_sample(
     extra: dict[str, Any] = dict(r.model_extra or {})
     extra.update(r.extra or {})
     uid = r.uid if r.uid is not None else r.id
-    sample = Sample(
+    return Sample(
         uid=str(uid) if uid is not None else default_uid,
         messages=messages,
         tools=r.tools,
         ground_truth=ground_truth,
         reward=reward,
         reward_kwargs=reward_kwargs,
+        agent=r.agent,  # None: the runtime's default agent loop
         extra=extra,
     )
-    if r.agent is not None:
-        sample.agent = r.agent
-    return sample
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:

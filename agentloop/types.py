@@ -17,7 +17,8 @@ STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 @dataclass
 class Sample:
     """One prompt row. `messages` is OpenAI chat format; `tools` OpenAI function schemas (or None = the
-    agent's configured tools); `agent` picks the agent loop by registry name; `ground_truth` and
+    agent's configured tools); `agent` picks the agent loop by registry name (None: the runtime's
+    default, `AgentSettings.agent`, itself "tool" by default); `ground_truth` and
     `reward` (a reward-function name; None: the runtime's default, `SchedulerConfig.reward`) feed the
     reward, with `reward_kwargs` passed to that function as keyword arguments; `extra` is carried
     through untouched."""
@@ -25,7 +26,7 @@ class Sample:
     uid: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    agent: str = "tool"
+    agent: str | None = None
     ground_truth: Any = None
     reward: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

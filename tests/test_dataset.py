@@ -33,7 +33,7 @@ def test_messages_and_prompt_rows(tmp_path: Path) -> None:
     assert a.tools == [CALCULATOR_TOOL] and a.agent == "tool" and a.reward == "arithmetic" and a.ground_truth == 3
     assert a.extra == {"k": 1, "source": "unit"}  # free keys and `extra` both carried through
     assert b.messages == [{"role": "user", "content": "What is 1 + 2?"}]
-    assert b.agent == "tool" and b.tools is None and b.reward is None
+    assert b.agent is None and b.tools is None and b.reward is None  # None: the runtime's default agent loop
     assert ds.bad_rows == []
 
 
