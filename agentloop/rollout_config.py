@@ -45,8 +45,8 @@ ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
 
 
 #: `agentloop rollout` flag (dest, i.e. without `--`, dashes as underscores) → the field it sets.
-#: The same names are accepted as top-level keys of the config file (`FLAG_ALIASES`: those that
-#: are not top-level fields already), so a file can say what the command line says.
+#: The same names are accepted as top-level keys of the config file (`alias_field`), so a file can
+#: say what the command line says.
 FLAG_NAMES: dict[str, str] = {
     "data": "data",
     "out": "out",
@@ -61,7 +61,6 @@ FLAG_NAMES: dict[str, str] = {
     "temperature": "runtime.agent.temperature",
     "seed": "runtime.agent.seed",
 }
-FLAG_ALIASES: dict[str, str] = {k: v for k, v in FLAG_NAMES.items() if k != v}
 
 
 class ConfigError(ValueError):
@@ -308,7 +307,7 @@ def _scalar(value: Any) -> str:
 
 
 def _flag_note(dotted: str) -> str:
-    """" Flag: --n; or top-level `n:`." for a field a flag sets, else ""."""
+    """The note on the flag that sets `dotted` (and its top-level key), for `config --show`."""
     switches = {"quiet": " Flag: -q, --quiet.", "timeline": " Flag: --no-timeline (sets false)."}
     dest = next((d for d, f in FLAG_NAMES.items() if f == dotted), None)
     if dest is None:
