@@ -8,7 +8,8 @@ This module owns the engines' lifetime and the step sequence, nothing else:
   At `start()` the engines are put to sleep, so every step begins SLEEPING and wakes in stages (a
   trainer colocated on the GPU needs that memory between steps).
 - **Per-runtime state built once**: tokenizer (the model folder, a configured path, or the servers'
-  `model_info()["tokenizer_path"]`), tool registry, router, scheduler.
+  `model_info()["tokenizer_path"]`), tool registry, router, scheduler; the agents' context budget
+  (`agent.max_context_tokens`) lowered to the smallest context length the engines report.
 - **`await step(samples, weights)`**: `lifecycle.wake_up(weights)` (a state dict, a path, or None =
   reload) → `Scheduler.run` → `collate` → `lifecycle.sleep()` (also on error or cancellation).
   Returns a `StepResult`: trajectories, the tensor batch, carry-over samples for the next step,
@@ -121,6 +122,8 @@ class Runtime:
         self.processes: list[Any] = []  #: embedded engine processes / launched servers we own
         self.model_path: str | None = None
         self.steps_done = 0
+        #: Smallest context length the engines reported at start (None: none reported).
+        self.engine_context_length: int | None = None
         self._step_lock = anyio.Lock()
         self._portal_cm: Any = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
@@ -147,6 +150,7 @@ class Runtime:
             self.tokenizer = self.tokenizer if self.tokenizer is not None else await self._load_tokenizer()
             if self.tools is None:
                 self.tools = self._load_tools()
+            await self._fit_context_to_engines()
             self.lifecycle = Lifecycle(
                 self.clients,
                 awake=True,  # freshly started or attached servers serve their weights
@@ -265,6 +269,29 @@ class Runtime:
                     f"no tokenizer: the server at {self.clients[0].url} reports tokenizer_path={path!r}, which is not a "
                     "local folder; set engine.tokenizer")
         return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))
+
+    async def _fit_context_to_engines(self) -> None:
+        """Lower `agent.max_context_tokens` to the smallest context length the engines report, so an
+        agent loop stops at the real limit instead of sending a request the engine refuses. Only lowers;
+        engines that report none (or cannot be asked) leave the configured value."""
+        reported: dict[str, int] = {}
+        for c in self.clients:
+            try:
+                with anyio.fail_after(30):
+                    n = _reported_context_length(await c.server_info())
+            except Exception as e:  # informational endpoint: the configured budget still holds
+                log.warning("cannot read the context length of %s: %s", getattr(c, "url", c), e)
+                continue
+            if n is not None:
+                reported[getattr(c, "url", repr(c))] = n
+        self.engine_context_length = min(reported.values()) if reported else None
+        agent = self.config.agent
+        if self.engine_context_length is not None and self.engine_context_length < agent.max_context_tokens:
+            log.info("agent.max_context_tokens %d lowered to %d, the engines' context length (%s)",
+                     agent.max_context_tokens, self.engine_context_length, reported)
+            # A copy: the caller's config object is left as given.
+            self.config = self.config.model_copy(
+                update={"agent": agent.model_copy(update={"max_context_tokens": self.engine_context_length})})
 
     def _load_tools(self) -> Any:
         from .tools.registry import ToolRegistry
@@ -428,6 +455,19 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_sync()
+
+
+def _reported_context_length(info: Mapping[str, Any]) -> int | None:
+    """Context length from an engine's `/server_info`: `context_length` (the CPU engine; SGLang when
+    launched with `--context-length`), else SGLang's `max_req_input_len` + 1 (its scheduler's limit on
+    a request: the model's context, or less when the KV pool is smaller)."""
+    n = info.get("context_length")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n
+    n = info.get("max_req_input_len")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n + 1
+    return None
 
 
 async def _start_all(procs: Sequence[Any], timeout: float) -> list[str]:

@@ -75,3 +75,36 @@ def test_samples_without_an_agent_run_the_configured_default_agent() -> None:
             assert [t.status for t in res.trajectories] == ["completed", "completed"], [t.error for t in res.trajectories]
             assert res.trajectories[0].prompt_ids == [5, 6, 7] and len(res.trajectories[0].response_ids) == 4
         assert ran == {"plain0": "replay", "plain1": "replay", "p0": "scripted"}
+
+
+class ReportingEngine(FakeEngine):
+    """An engine double whose /server_info reports a context limit as the CPU engine or SGLang does."""
+
+    def __init__(self, url: str, info: dict) -> None:
+        super().__init__(url)
+        self.info = info
+
+    async def server_info(self) -> dict:
+        return dict(self.info)
+
+
+def test_context_budget_is_lowered_to_the_engines_smallest_context_length() -> None:
+    engines = [ReportingEngine("http://a", {"context_length": 64}),  # the CPU engine's key
+               ReportingEngine("http://b", {"context_length": None, "max_req_input_len": 23})]  # SGLang's
+    cfg = RuntimeConfig.model_validate({"agent": {"agent": "replay", "max_response_tokens": 200}})
+    with Runtime(cfg, clients=engines, tokenizer=TOK, tools=object(), reward_fn=length_reward) as rt:
+        assert rt.engine_context_length == 24
+        assert rt.config.agent.max_context_tokens == 24 and rt.scheduler.agent_config.max_context_tokens == 24
+        assert cfg.agent.max_context_tokens == 4096  # the caller's config object is left as given
+        for step in range(2):
+            s = Sample(uid=f"s{step}", messages=[], extra={"prompt_ids": [5, 6, 7, 8], "replay": [{"gen_tokens": 50}]})
+            t = rt.step_sync([s]).trajectories[0]
+            assert len(t.prompt_ids) + len(t.response_ids) == 24  # stopped at the engines' context, not 4 + 50
+            assert t.status == "truncated" and t.finish_reason == "max_context_tokens"
+
+    # only lowers; engines that report nothing (or fail to answer) keep the configured value
+    with Runtime({"agent": {"max_context_tokens": 16}}, clients=[ReportingEngine("http://a", {"context_length": 64})],
+                 tokenizer=TOK, tools=object()) as rt:
+        assert rt.engine_context_length == 64 and rt.scheduler.agent_config.max_context_tokens == 16
+    with Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object()) as rt:
+        assert rt.engine_context_length is None and rt.scheduler.agent_config.max_context_tokens == 4096
