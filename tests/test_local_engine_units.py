@@ -87,7 +87,7 @@ def test_sampling_params_validation() -> None:
     assert params(temperature=1e-7).greedy
     for bad, field in [({"top_k": -2}, "top_k"), ({"ignore_eos": "yes"}, "ignore_eos"),
                        ({"sampling_seed": 1.5}, "sampling_seed"), ({"min_new_tokens": 9, "max_new_tokens": 3}, "min_new_tokens"),
-                       ({"presence_penalty": 0.5}, "presence_penalty"), ({"foo": 1}, "foo")]:
+                       ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"100": 1}}, "logit_bias"), ({"foo": 1}, "foo")]:
         with pytest.raises(SamplingParamsError, match=field):
             params(**bad)
 

@@ -299,6 +299,7 @@ class Scheduler:
             [r.generator for r in rows],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in rows],
             banned=banned,
+            outputs=[r.output_ids for r in rows],
             original_logprob=self.original_logprob,
         )
         for r, s in zip(rows, samples):
