@@ -122,6 +122,7 @@ class Runtime:
         self.processes: list[Any] = []  #: embedded engine processes / launched servers we own
         self.model_path: str | None = None
         self.steps_done = 0
+        self._rows_converted = 0  #: dict rows given to `step` so far (numbers their generated uids)
         #: Smallest context length the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
         self._step_lock = anyio.Lock()
@@ -306,7 +307,7 @@ class Runtime:
     # ------------------------------------------------------------------ the step
     async def step(
         self,
-        samples: Sequence[Sample],
+        samples: Sequence[Sample | Mapping[str, Any]],
         weights: "Weights | Mapping[str, Any] | str | Path | None" = None,
         *,
         on_trajectory: OnTrajectory | None = None,
@@ -315,11 +316,16 @@ class Runtime:
     ) -> StepResult:
         """Wake the engines with `weights` (staged), run every sample's agent loop, collate, sleep.
 
+        `samples` are `Sample`s or dataset-style rows (dicts, as in a JSONL file: `{"prompt": ...,
+        "ground_truth": ...}`, see `agentloop.dataset`), converted by `dataset.row_to_sample` (uid
+        `row-<k>` when the row has none); a bad row raises ValueError naming its index, before waking.
+
         `overrides` replace scheduler settings for this step (e.g. `n=4`, `target_groups=8`).
         `pad_to=(prompt_len, response_len)` pads the batch to fixed lengths (either None = the batch's
         longest); a trajectory longer than that raises `StepCollateError`, which keeps the step's results.
         """
         pad_to = _check_pad_to(pad_to)
+        samples = self._as_samples(samples)
         if not self.started:
             await self.start()
         assert self.lifecycle is not None and self.scheduler is not None
@@ -370,9 +376,32 @@ class Runtime:
                 carry_over=result.carry_over, metrics=metrics,
             )
 
+    def _as_samples(self, samples: Sequence[Sample | Mapping[str, Any]]) -> list[Sample]:
+        """Samples as given; dict rows through the dataset's own validation (`row_to_sample`)."""
+        if not any(isinstance(s, Mapping) for s in samples):
+            return list(samples)  # type: ignore[arg-type]
+        from .agents.base import registered_agents
+        from .dataset import row_to_sample
+        from .rewards import registered_rewards
+
+        out: list[Sample] = []
+        for i, s in enumerate(samples):
+            if not isinstance(s, Mapping):
+                out.append(s)
+                continue
+            self._rows_converted += 1
+            try:
+                out.append(row_to_sample(
+                    dict(s), default_uid=f"row-{self._rows_converted}", known_agents=registered_agents(),
+                    # a trainer's reward_fn scores every trajectory: row reward names are its business
+                    known_rewards=registered_rewards() if self.reward_fn is None else None))
+            except ValueError as e:
+                raise ValueError(f"step: samples[{i}] is not a usable row: {e}") from None
+        return out
+
     @contextlib.asynccontextmanager
     async def stream(
-        self, samples: Sequence[Sample], weights: Any = None, **kwargs: Any
+        self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any
     ) -> AsyncIterator["StepStream"]:
         """The async-iterator form of `step`: finished trajectories as they come, then the `StepResult`.
 
@@ -436,7 +465,7 @@ class Runtime:
         self._blocking_portal().call(self.start)
         return self
 
-    def step_sync(self, samples: Sequence[Sample], weights: Any = None, **kwargs: Any) -> StepResult:
+    def step_sync(self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any) -> StepResult:
         """`step` from synchronous code (same coroutine, run in the runtime's event-loop thread)."""
         portal = self._blocking_portal()
         return portal.call(lambda: self.step(samples, weights, **kwargs))

@@ -9,6 +9,7 @@ import types
 import pytest
 
 from agentloop.config import RuntimeConfig
+from agentloop.rewards import register_reward
 from agentloop.runtime import Runtime, StepCollateError
 from agentloop.types import Sample
 
@@ -108,3 +109,58 @@ def test_context_budget_is_lowered_to_the_engines_smallest_context_length() -> N
         assert rt.engine_context_length == 64 and rt.scheduler.agent_config.max_context_tokens == 16
     with Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object()) as rt:
         assert rt.engine_context_length is None and rt.scheduler.agent_config.max_context_tokens == 4096
+
+
+def test_dict_rows_are_converted_like_dataset_rows() -> None:
+    with Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object()) as rt:
+        ran = _spy_agents(rt)
+        for step in range(2):
+            rows = [{"prompt": "q", "agent": "scripted", "ground_truth": 3, "reward": "test_gt_plus_one", "turns": 1},
+                    {"uid": f"mine{step}", "prompt": "q", "agent": "scripted"},
+                    *samples(1, turns=1)]  # Sample objects mix with rows unchanged
+            res = rt.step_sync(rows)
+            assert [t.uid for t in res.trajectories] == [f"row-{2 * step + 1}", f"mine{step}", "p0"]
+            assert [t.status for t in res.trajectories] == ["completed"] * 3
+            assert res.trajectories[0].reward == 4.0 and res.trajectories[0].num_turns == 1  # free keys → extra
+            assert res.trajectories[1].reward is None and res.trajectories[1].num_turns == 2
+        assert set(ran.values()) == {"scripted"}
+        records = len(rt.lifecycle.records)
+        with pytest.raises(ValueError, match=r"samples\[1\] is not a usable row: a row needs exactly one of 'messages'"):
+            rt.step_sync([{"prompt": "ok", "agent": "scripted"}, {"ground_truth": 1}])
+        with pytest.raises(ValueError, match=r"samples\[0\].*unknown agent loop 'nope'"):
+            rt.step_sync([{"prompt": "ok", "agent": "nope"}])
+        with pytest.raises(ValueError, match=r"samples\[0\].*unknown reward function 'nope'"):
+            rt.step_sync([{"prompt": "ok", "reward": "nope"}])
+        assert len(rt.lifecycle.records) == records  # refused before any engine woke
+
+
+@register_reward("test_gt_plus_one")
+def _gt_plus_one(traj, sample) -> float:
+    return float(sample.ground_truth) + 1.0
+
+
+def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps() -> None:
+    """The shipped tiny tool model on the embedded CPU engine (a real `agentloop serve` subprocess): dict
+    rows scored by the default reward, the configured default agent for rows that name none, and the
+    agent's context budget taken from the engine's reported context length."""
+    cfg = {
+        "engine": {"local_args": ["--num-threads", "1", "--log-level", "warning", "--context-length", "1024"]},
+        "agent": {"agent": "single_turn", "temperature": 0.0, "max_new_tokens_per_turn": 48,
+                  "max_assistant_turns": 3, "max_response_tokens": 200},
+    }
+    with Runtime(cfg) as rt:
+        assert rt.engine_context_length == 1024  # the engine's --context-length, below the configured 4096
+        assert rt.scheduler.agent_config.max_context_tokens == 1024
+        ran = _spy_agents(rt)
+        for step in range(2):
+            res = rt.step_sync([{"prompt": "What is 2 + 3?", "ground_truth": 5},
+                                {"prompt": "What is 7 * 6?", "ground_truth": 42, "agent": "tool"}])
+            plain, tool = res.trajectories
+            assert plain.status in ("completed", "truncated") and tool.status in ("completed", "truncated"), \
+                [t.error for t in res.trajectories]
+            assert ran[plain.uid] == "single_turn" and ran[tool.uid] == "tool"
+            assert plain.num_turns == 1 and plain.tool_calls == 0
+            # scored by the default reward (arithmetic) though the rows name none
+            assert plain.reward in (0.0, 1.0) and tool.reward in (0.0, 1.0)
+            assert plain.extra["reward_info"]["expected"] == 5 and tool.extra["reward_info"]["expected"] == 42
+            assert res.metrics["generations_outside_awake"] == 0
