@@ -138,7 +138,7 @@ async def test_parallel_calls_run_concurrently_and_the_answer_is_rewarded() -> N
     # The engine's second input carries both results, in the template's form, after the first turn.
     second = tok.decode(eng.inputs[1][len(eng.inputs[0]):])
     assert "<tool_response>\n5\n</tool_response>\n<tool_response>\n20\n</tool_response>" in second
-    assert traj.messages[1]["tool_calls"][1]["function"] == {"name": "calculator", "arguments": {"expression": "4 * 5"}}
+    assert traj.messages[1]["tool_calls"][1]["function"] == {"name": "calculator", "arguments": '{"expression": "4 * 5"}'}
     assert [e.kind for e in traj.timeline] == ["generate", "tool", "generate"]
     assert traj.metrics["tool_seconds"] >= 0.4 and traj.metrics["tool_errors"] == 0
     await score(traj, s)
@@ -238,7 +238,9 @@ async def test_abort_then_resume_continues_the_same_tokens() -> None:
     sampled = [t for t, m in zip(traj.response_ids, traj.response_mask) if m]
     assert sampled == first + [tok.eos_token_id] + eng2.sampled[1]
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
-    assert traj.messages[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2 + 3"}
+    assert traj.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"expression": "2 + 3"}'
+    # The resumed turn keeps its number: the call id is the one an unbroken run would give.
+    assert traj.messages[1]["tool_calls"][0]["id"] == traj.messages[2]["tool_call_id"] == f"call_{s2.uid}_1_0"
     assert traj.metrics["resumed"] == 1
     await score(traj, s2)
     assert traj.reward == 1.0

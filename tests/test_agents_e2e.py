@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -162,7 +163,9 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
         calls = [c for m in traj.messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
         for c, m in zip(calls, tool_msgs):
             if not m["content"].startswith("Error"):
-                assert m["content"] == str(evaluate_expression(c["function"]["arguments"]["expression"]))
+                assert m["content"] == str(evaluate_expression(json.loads(c["function"]["arguments"])["expression"]))
+        # OpenAI format: each tool message answers its call by id.
+        assert [m["tool_call_id"] for m in tool_msgs] == [c["id"] for c in calls]
         # The reward is the final answer's correctness (whatever this small model's accuracy).
         assert traj.messages[-1]["role"] == "assistant"
         final = traj.messages[-1]["content"]

@@ -179,13 +179,16 @@ class Episode:
         return stops
 
     # ------------------------------------------------------------------ other turns
-    def append_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+    def append_messages(
+        self, messages: Sequence[Mapping[str, Any]], *, shown: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
         """Append tool/user messages as a template delta (mask 0) if they fit; else `BudgetSpent`.
-        A delta must also leave room for at least one generated token."""
+        A delta must also leave room for at least one generated token. `shown` (default `messages`)
+        is what the readable record keeps, when it carries fields the tokens must not (tool_call_id)."""
         assert self.buffer is not None
         delta = self.buffer.delta_for(messages)
         self.check_fits(len(delta) + 1)
-        self.buffer.append_messages(messages, delta=delta)
+        self.buffer.append_messages(shown if shown is not None else messages, delta=delta)
 
     def event(self, kind: str, start: float, end: float) -> None:
         self.timeline.append(TimelineEvent(kind, start, end))

@@ -7,10 +7,17 @@ it), aborted (the engine aborted a turn — partial rollout resumes it from `sam
 failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
 and exceptions inside tools reach the model as tool results (the registry makes them), counted in
 `metrics["tool_errors"]`.
+
+The trajectory's readable `messages` are OpenAI chat format: each call gets the id
+`call_<uid>_<turn>_<i>`, its `function.arguments` is a JSON string, and its tool message carries the
+matching `tool_call_id`. The tokens do not depend on that: a tool result's token delta is rendered
+from the message without `tool_call_id` (as before ids existed), so no template's rendering changes;
+model turns are never rendered at all (their tokens are the sampled ones).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -63,13 +70,17 @@ class ToolAgent(AgentLoop):
                 ep.finish("aborted", "abort")
                 return
             content, calls = parser.parse(ep.turn_text())
+            for i, c in enumerate(calls):  # stable per trajectory, turn and position (a resumed turn keeps its number)
+                c.id = c.id or f"call_{ep.sample.uid}_{ep.assistant_turns}_{i}"
             ep.show_assistant(_assistant_message(content, calls))
             if calls:
                 if ep.assistant_turns >= cfg.max_assistant_turns:
                     ep.finish("truncated", "max_assistant_turns")
                     return
                 results = await self._run_tools(ep, calls, tool_ctx)
-                ep.append_messages([_tool_message(r) for r in results])
+                shown = [_tool_message(r) for r in results]
+                rendered = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in shown]
+                ep.append_messages(rendered, shown=shown)
                 continue
             if out.finish_type == "length":
                 ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
@@ -136,7 +147,8 @@ def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments if c.ok else c.raw},
+                # OpenAI's form: arguments as a JSON string (a malformed call keeps what the model wrote).
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False) if c.ok else c.raw},
             }
             for c in calls
         ]
