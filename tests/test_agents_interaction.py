@@ -106,3 +106,15 @@ async def test_no_or_a_bad_interaction_fails_the_trajectory_before_generating() 
         assert needle in (traj.error or ""), traj.error
         assert eng.inputs == [] and traj.num_turns == 0  # nothing was generated for a sample that cannot run
         traj.check_invariants()
+
+
+async def test_the_tool_loop_also_asks_a_user_the_sample_names_and_fails_on_a_bad_name() -> None:
+    tok = qwen_style_tokenizer()
+    eng = ScriptedEngine(tok, ["5.", "Yes, 5."])
+    s = Sample(uid="t0", messages=[{"role": "user", "content": "2 + 3?"}], extra={"interaction": "test_doubter"})
+    traj = await get_agent("tool").run(s, make_ctx(eng, None))
+    assert (traj.status, traj.num_turns, traj.extra["user_turns"]) == ("completed", 2, 1), traj.error
+    eng = ScriptedEngine(tok, ["never sampled"])
+    s = Sample(uid="t1", messages=[{"role": "user", "content": "2 + 3?"}], extra={"interaction": "nobody"})
+    traj = await get_agent("tool").run(s, make_ctx(eng, None))
+    assert traj.status == "failed" and "unknown interaction 'nobody'" in (traj.error or "") and eng.inputs == []

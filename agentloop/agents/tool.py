@@ -1,8 +1,9 @@
 """The `tool` agent loop: generate → parse tool calls → run tools → append results → repeat.
 
-Ends when a turn has no tool call (then the optional simulated user, `ctx.interaction`, may add a
-user turn and the loop goes on; the `interaction` loop, a subclass, requires one), when `max_assistant_turns` / `max_user_turns` is reached, or when the
-token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
+Ends when a turn has no tool call (then the optional simulated user may add a user turn and the loop
+goes on: the sample's `extra["interaction"]`, a registered name or `module:function` path, else
+`ctx.interaction`; the `interaction` loop, a subclass, requires one), when `max_assistant_turns` /
+`max_user_turns` is reached, or when the token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
 it), aborted (the engine aborted a turn — partial rollout resumes it from `sample.resume_from`),
 failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
 and exceptions inside tools reach the model as tool results (the registry makes them), counted in
@@ -27,7 +28,7 @@ from ..tools import ToolCall, ToolContext, ToolResult, get_parser
 from ..types import Sample, Trajectory
 from .base import AgentContext, AgentLoop, register_agent
 from .episode import BudgetSpent, Episode
-from .interaction import Interaction, ask_user
+from .interaction import Interaction, ask_user, get_interaction
 
 
 @register_agent
@@ -36,8 +37,17 @@ class ToolAgent(AgentLoop):
 
     def simulated_user(self, sample: Sample, ctx: AgentContext) -> Interaction | None:
         """The simulated user asked after a turn without tool calls (None: such a turn completes the
-        trajectory). Here the context's optional hook; the `interaction` loop overrides this."""
-        return ctx.interaction
+        trajectory): the one the sample names in `extra["interaction"]` — the more specific choice, as
+        a sample's `agent` wins over the default loop — else the context's (runtime-wide) hook.
+        Raises ValueError for a name or path that does not resolve."""
+        spec = sample.extra.get("interaction")
+        if spec is None:
+            return ctx.interaction
+        try:
+            return get_interaction(spec)
+        except (KeyError, ImportError, TypeError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ValueError(f"sample {sample.uid}: extra['interaction']: {msg}") from e
 
     async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
         tools = sample.tools if sample.tools is not None else (ctx.tools.schemas() if ctx.tools is not None else None)
@@ -79,6 +89,8 @@ class ToolAgent(AgentLoop):
                     return
                 results = await self._run_tools(ep, calls, tool_ctx)
                 shown = [_tool_message(r) for r in results]
+                # Rendered without tool_call_id: the tokens stay what they were before calls had ids
+                # (some templates, e.g. Mistral's, would print it; the model never sampled these ids).
                 rendered = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in shown]
                 ep.append_messages(rendered, shown=shown)
                 continue
