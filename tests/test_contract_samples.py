@@ -35,13 +35,6 @@ ERRORS = json.loads((Path(__file__).parent / "fixtures" / "sglang_error_samples.
 
 #: (endpoint, JSON path) -> why the CPU engine may differ there. `*` matches any list index.
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
-    # SGLang-internal bookkeeping no runtime reads (scheduler DP rank, reasoning parser, wall-clock stamp).
-    ("/generate", "meta_info.dp_rank"): "data-parallel rank: the CPU engine has no DP",
-    ("/generate", "meta_info.reasoning_tokens"): "reasoning parser counts: no reasoning parser on the CPU engine",
-    ("/generate", "meta_info.response_sent_to_client_ts"): "SGLang's send timestamp",
-    ("/generate", "meta_info.cached_tokens_details"): "SGLang's per-tier (device/host) cache split; HiCache only",
-    ("/generate", "meta_info.output_token_logprobs_length"): "redundant length field SGLang adds",
-    ("/model_info", "embedding"): "SGLang 0.5.17's embedding-model plan: irrelevant for a generation engine",
     # /server_info: SGLang sends its ~465 server args; the CPU engine a subset (SERVER_INFO_KEYS are
     # required) plus these, which nothing outside the CPU engine reads.
     ("/server_info", "tensor_transport"): "agreed extension: tells the client to send safetensors, not CUDA IPC",
@@ -49,15 +42,13 @@ KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
     ("/server_info", "vocab_size"): "CPU-engine extra (SGLang keeps it in model config, not server_info)",
     ("/server_info", "eos_token_ids"): "CPU-engine extra",
     ("/server_info", "return_original_logprob"): "CPU-engine extra",
-    # SGLang's request-validation errors (FastAPI/pydantic) use an OpenAI-style body while its handlers
-    # use {"error": {"message"}}; the CPU engine uses the latter for all. The client reads both.
-    ("/generate", "object"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/generate", "message"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/generate", "type"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/generate", "param"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/generate", "code"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/generate", "error"): "OpenAI-style validation error body of SGLang (see above)",
-    ("/get_weight_version", "<body>"): "removed endpoint: SGLang answers 404 with a JSON hint, the CPU engine a plain 404",
+}
+
+#: Fields SGLang fills with null or a value depending on the run: the CPU engine must send the key, and
+#: may send null where the recording has a value (the reverse — recorded null — is always accepted).
+NULL_WHEN: dict[tuple[str, str], str] = {
+    ("/generate", "meta_info.cached_tokens_details"):
+        "null when nothing came from the prefix cache (SGLang's get_cached_tokens_details); the CPU engine has none",
 }
 
 #: Differences the CPU engine should still fix (tolerated until then). Empty: the first list (abort
@@ -99,6 +90,8 @@ def compare(endpoint: str, real: Any, ours: Any, path: str = "") -> list[str]:
         return diffs
     if isinstance(real, float) and isinstance(ours, int) and not isinstance(ours, bool):
         return diffs  # JSON numbers: 0.0 may serialize as 0
+    if ours is None and (endpoint, path.removeprefix("[*].")) in NULL_WHEN:
+        return diffs
     if jtype(real) != jtype(ours):
         if not known(path):
             diffs.append(f"{endpoint} {path or '<body>'}: SGLang {jtype(real)} vs CPU engine {jtype(ours)}")
@@ -129,7 +122,10 @@ def recorded(label: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
     model = make_random_model(tmp_path_factory.mktemp("contract") / "model", arch="qwen2")
-    proc = LocalEngineProcess(model, log_path=tmp_path_factory.mktemp("contract-log") / "serve.log")
+    # The recording's long generate asks for 20000 new tokens (the real model's context is 32k); SGLang
+    # refuses prompt + max_new_tokens beyond the context, and so does the CPU engine now.
+    proc = LocalEngineProcess(model, log_path=tmp_path_factory.mktemp("contract-log") / "serve.log",
+                              extra_args=("--context-length", "32768"))
     url = anyio.run(proc.start)
     try:
         yield url, model
@@ -257,8 +253,7 @@ async def _replay(url: str, model_dir: Path) -> list[str]:
                 if real is None or path in ("/pause_generation", "/continue_generation"):
                     assert out == real, (label, out)  # literal bodies: null (release/resume), fixed messages
                 elif path == "/update_weights_from_tensor":
-                    assert out["success"] is True and set(out) == set(real), out
-                    assert out["message"].startswith(real["message"]), out  # "Success Weight version updated to ..."
+                    assert out == real, out  # {"success": true, "message": "Success Weight version updated to step-N."}
                 else:
                     diffs += compare(path, real, out)
             else:
@@ -305,8 +300,6 @@ def error_diffs(engine_url) -> list[str]:
                     diffs += compare(rec["path"], real, ours)
                     if "message" in real or "error" in real:  # a message a person can act on
                         assert len(json.dumps(ours)) > 20, ours
-                elif rec["path"] == "/get_weight_version":
-                    diffs += [] if ("/get_weight_version", "<body>") in KNOWN_DIFFERENCES else ["/get_weight_version body"]
                 else:
                     assert ours == real, (rec["path"], ours, real)
         return diffs

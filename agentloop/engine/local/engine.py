@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,8 +23,12 @@ from . import weights as weight_io
 from .memory import MemoryManager, MemoryTagError, normalize_tags
 from .model_runner import ModelRunner
 from .request import Notifier, Request
-from .sampling import RequestSampling, SamplingParamsError
+from .rwlock import ModelUpdateLock
+from .sampling import NO_LIMIT, RequestSampling, SamplingParamsError
 from .scheduler import PAUSE_MODES, Scheduler
+
+
+log = logging.getLogger(__name__)
 
 
 class EngineInputError(ValueError):
@@ -62,6 +67,9 @@ class LocalEngine:
         self.scheduler.weight_version = weight_version
         self.seed = seed
         self._counter = itertools.count()
+        #: Generates hold it shared; weight updates exclusively (see rwlock.py).
+        self.model_update_lock = ModelUpdateLock()
+        self._flush_pending = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -92,9 +100,9 @@ class LocalEngine:
         sampling_params: Any,
         *,
         rid: str | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
+        return_logprob: bool | None = False,
+        logprob_start_len: int | None = -1,
+        top_logprobs_num: int | None = 0,
         where: str = "input_ids",
     ) -> Request:
         """Validate one request's fields; raise EngineInputError naming the bad one."""
@@ -105,22 +113,30 @@ class LocalEngine:
                 raise EngineInputError(f"{where}[{i}]={t!r} is not an integer token id")
             if not 0 <= t < self.vocab_size:
                 raise EngineInputError(f"{where}[{i}]={t} is out of vocabulary (vocab_size {self.vocab_size})")
-        if len(input_ids) >= self.context_length:
-            raise EngineInputError(
-                f"{where}: the input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)"
-            )
         try:
             sampling = RequestSampling.from_json(sampling_params, vocab_size=self.vocab_size)
         except SamplingParamsError as e:
             raise EngineInputError(str(e)) from None
+        max_new_tokens = self._check_context(len(input_ids), sampling)
         if rid is not None and not isinstance(rid, str):
             raise EngineInputError(f"rid must be a string, got {rid!r}")
+        if return_logprob is None:
+            return_logprob = False
         if not isinstance(return_logprob, bool):
             raise EngineInputError(f"return_logprob must be a boolean, got {return_logprob!r}")
+        # SGLang: null means -1 (io_struct), and the start is ignored without return_logprob
+        # (scheduler.handle_generate_request); only a start past the input is refused.
+        if logprob_start_len is None or not return_logprob:
+            logprob_start_len = -1
         if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1:
             raise EngineInputError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
-        if logprob_start_len >= len(input_ids):
-            raise EngineInputError(f"logprob_start_len={logprob_start_len} must be < the input length {len(input_ids)}")
+        if logprob_start_len > len(input_ids):
+            raise EngineInputError(
+                f"req.logprob_start_len={logprob_start_len} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={len(input_ids)}. Please use a smaller logprob_start_len."
+            )
+        if top_logprobs_num is None:
+            top_logprobs_num = 0
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise EngineInputError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
         seed = sampling.sampling_seed
@@ -135,8 +151,35 @@ class LocalEngine:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
-            max_new_tokens=min(sampling.max_new_tokens, self.context_length - len(input_ids)),
+            max_new_tokens=max_new_tokens,
         )
+
+    def _check_context(self, n_input: int, sampling: RequestSampling) -> int:
+        """SGLang's length rules; returns the max_new_tokens the request really gets.
+
+        `TokenizerManager._validate_one_request` refuses an input of >= context_length tokens and an
+        explicit max_new_tokens that does not fit beside the input (same messages; the default 128
+        of an absent key is not checked, only capped); the scheduler's
+        `init_req_max_new_tokens` then caps max_new_tokens (null = 1 << 30) at
+        max_req_len - input - 1 with max_req_len = context_length - 1, and lowers min_new_tokens to it.
+        """
+        ctx = self.context_length
+        if n_input >= ctx:
+            raise EngineInputError(
+                f"The input ({n_input} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        requested = sampling.max_new_tokens
+        if sampling.max_new_tokens_explicit and requested is not None and requested + n_input > ctx:
+            raise EngineInputError(
+                "Requested token count exceeds the model's maximum context length "
+                f"of {ctx} tokens. You requested a total of {requested + n_input} "
+                f"tokens: {n_input} tokens from the input messages and "
+                f"{requested} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
+        capped = max(0, min(NO_LIMIT if requested is None else requested, (ctx - 1) - n_input - 1))
+        sampling.min_new_tokens = min(sampling.min_new_tokens, capped)
+        return capped
 
     async def submit(self, req: Request, notifier: Notifier) -> None:
         """Queue `req`; `notifier` is called from the worker thread on every update."""
@@ -162,8 +205,13 @@ class LocalEngine:
     async def continue_generation(self) -> None:
         await self._on_worker(self.scheduler.resume_generation)
 
-    async def flush_cache(self) -> bool:
-        """True when flushed; False when requests are running or waiting (SGLang refuses then)."""
+    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str]:
+        """SGLang's flush (scheduler_components/flush_wrapper.py): (flushed?, message).
+
+        Without a timeout it is refused at once while requests run or wait (message "": the server
+        answers SGLang's "Flush cache failed."); with one it waits up to `timeout_s` for the
+        scheduler to go idle. One deferred flush at a time, like SGLang.
+        """
 
         def _flush() -> bool:
             if self.scheduler.busy():
@@ -171,7 +219,20 @@ class LocalEngine:
             self.scheduler.kv.clear()
             return True
 
-        return await self._on_worker(_flush)
+        if timeout_s <= 0:
+            return await self._on_worker(_flush), ""
+        if self._flush_pending:
+            return False, "Another flush_cache is already in progress."
+        self._flush_pending = True
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while not await self._on_worker(_flush):
+                if asyncio.get_running_loop().time() >= deadline:
+                    return False, "Timed out waiting for idle state."
+                await asyncio.sleep(0.01)
+            return True, ""
+        finally:
+            self._flush_pending = False
 
     async def release_memory(self, tags: Sequence[str] | None) -> list[str]:
         try:
@@ -204,11 +265,27 @@ class LocalEngine:
         if not isinstance(model_path, str) or not model_path:
             raise EngineInputError("model_path must be a non-empty string (a safetensors file or HF folder)")
         tensors = await asyncio.to_thread(self._read, weight_io.read_disk, model_path)
-        return await self._apply_weights(tensors, **kw)
+        # sglang's model runner says this on a disk load; /model_info then names the new path
+        # (TokenizerManager._update_model_path_info).
+        msg = await self._apply_weights(tensors, base_message="Succeeded to update model weights.", **kw)
+        self.model_path = model_path
+        return msg
 
     async def update_weights_from_tensor(self, payloads: Any, **kw: Any) -> str:
         tensors = await asyncio.to_thread(self._read, weight_io.read_tensor_payloads, payloads)
-        return await self._apply_weights(tensors, **kw)
+        return await self._apply_weights(tensors, base_message="Success", **kw)
+
+    async def update_weight_version(self, new_version: Any, *, abort_all_requests: bool = True) -> None:
+        """SGLang's /update_weight_version: abort everything (by default), then record the version."""
+        if not isinstance(new_version, str):
+            raise EngineInputError(f"new_version must be a string, got {new_version!r}")
+        if abort_all_requests:
+            await self.abort(None)
+
+        def _set() -> None:
+            self.scheduler.weight_version = new_version
+
+        await self._on_worker(_set)
 
     @staticmethod
     def _read(reader: Any, arg: Any) -> dict[str, torch.Tensor]:
@@ -221,6 +298,7 @@ class LocalEngine:
         self,
         tensors: dict[str, torch.Tensor],
         *,
+        base_message: str,
         load_format: Any = None,
         weight_version: Any = None,
         abort_all_requests: bool = False,
@@ -236,20 +314,28 @@ class LocalEngine:
                 raise EngineInputError(
                     "weights are released; call /resume_memory_occupation with tags ['weights'] before updating them"
                 )
-            if abort_all_requests:
-                self.scheduler.abort(None)
             try:
                 n = weight_io.apply(self.runner.model, tensors)
             except weight_io.WeightUpdateError as e:
                 raise EngineInputError(str(e)) from None
+            log.info("weight update: %d tensors loaded", n)
             self.memory.weights_valid = True
             if flush_cache and not self.scheduler.busy():
                 self.scheduler.kv.clear()
+            message = base_message
             if weight_version is not None:
                 self.scheduler.weight_version = weight_version
-            return f"Success Weight version updated to {self.scheduler.weight_version}. ({n} tensors)"
+                message += f" Weight version updated to {weight_version}."
+            return message
 
-        return await self._on_worker(_apply)
+        if abort_all_requests:
+            await self.abort(None)
+        # Like SGLang's tokenizer manager: paused -> update at once (the caller stopped generation on
+        # purpose); otherwise wait for the generates in flight to end, holding new ones back.
+        if self.scheduler.paused:
+            return await self._on_worker(_apply)
+        async with self.model_update_lock.writer():
+            return await self._on_worker(_apply)
 
     # ---- introspection -----------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:

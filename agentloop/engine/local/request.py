@@ -30,7 +30,7 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    #: max_new_tokens clipped so prompt + output fits the context length.
+    #: max_new_tokens as SGLang's scheduler caps it (context_length - 2 - input length at most).
     max_new_tokens: int = 128
     notifier: Notifier | None = None
     #: Streaming clients are told about every token; others only when the request ends (waking the
@@ -47,6 +47,8 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     num_retractions: int = 0
+    #: A response for it went out (SGLang stamps `response_sent_to_client_ts` on the first one only).
+    response_sent: bool = False
 
     @property
     def finished(self) -> bool:

@@ -92,6 +92,8 @@ class RequestSampling:
 
     #: None = no limit (`max_new_tokens: null`): the engine clips it to the context.
     max_new_tokens: int | None = 128
+    #: The request named a number (SGLang checks only those against the context length).
+    max_new_tokens_explicit: bool = False
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -120,7 +122,7 @@ class RequestSampling:
             params = {}
         if not isinstance(params, Mapping):
             raise SamplingParamsError(f"sampling_params must be an object, got {type(params).__name__}")
-        known = {f for f in cls.__dataclass_fields__} | _TEXT_ONLY_KEYS | set(_NEEDS_TOKENIZER) | _UNSUPPORTED_IF_SET
+        known = ({f for f in cls.__dataclass_fields__} - {"max_new_tokens_explicit"}) | _TEXT_ONLY_KEYS | set(_NEEDS_TOKENIZER) | _UNSUPPORTED_IF_SET
         unknown = sorted(set(params) - known)
         if unknown:
             raise SamplingParamsError(f"sampling_params has unknown field(s) {unknown}")
@@ -168,6 +170,7 @@ class RequestSampling:
                 raise SamplingParamsError(
                     f"min_new_tokens must be in [0, max_new_tokens({s.max_new_tokens})], got {s.min_new_tokens}."
                 )
+        s.max_new_tokens_explicit = params.get("max_new_tokens") is not None
         if s.n < 1:
             raise SamplingParamsError(f"sampling_params.n must be at least 1, got {s.n}")
         s.logit_bias = _logit_bias(params.get("logit_bias"), vocab_size)

@@ -1,28 +1,29 @@
 """The CPU reference engine's HTTP server (aiohttp.web), speaking SGLang's endpoints and JSON.
 
-Endpoints and payloads follow `shared/sglang-api.md` and the real responses in
-`shared/gpu/samples/http_samples.json` (sglang 0.5.17 with `--skip-tokenizer-init`): token ids in
-and out, no `text`. Client errors get 4xx with `{"error": {"message": ...}}` (weight updates:
-`{"success": false, "message": ...}`), and the server keeps serving. Generation while memory is
-released gets 503 with a message that says which tags to resume. Also the `agentloop serve`
-subcommand (`add_parser` / `run`).
+Endpoints, methods and payloads follow sglang 0.5.17's `entrypoints/http_server.py` and the real
+responses in `shared/gpu/samples/http_samples.json` (`--skip-tokenizer-init`): token ids in and
+out, no `text`. `/generate` lives in `generate_api.py`, error bodies in `http_common.py`; this module
+has the control, memory, weight and info endpoints, the app and `run` (for `agentloop serve`).
+Client errors get 4xx with SGLang's body (weight updates: `{"success": false, "message": ...}`) and
+the server keeps serving. Generation while memory is released gets 503 with a message that says
+which tags to resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
+import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
-from .request import Request
+from .generate_api import generate, health_generate
+from .http_common import ARGS_KEY, ENGINE_KEY, error_response, http_exception, json_body, response_for
 
 log = logging.getLogger("agentloop.serve")
 
@@ -30,29 +31,8 @@ FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
-ENGINE_KEY = web.AppKey("engine", LocalEngine)
-ARGS_KEY = web.AppKey("server_args", dict)
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise EngineInputError("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngineInputError(f"malformed JSON body: {e}") from None
-    if body is None and allow_empty:
-        return {}
-    if not isinstance(body, dict):
-        raise EngineInputError(f"the JSON body must be an object, got {type(body).__name__}")
-    return body
+#: SGLang's body when a flush is refused without a message (requests running, no timeout).
+FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 
 
 @web.middleware
@@ -66,179 +46,12 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
             if request.path == "/update_weights_from_disk":
                 body["num_paused_requests"] = 0  # SGLang's disk-update answers carry it, success or not
             return web.json_response(body, status=e.status)
-        return _error(e.status, e.message)
+        return response_for(e)
     except web.HTTPException:
         raise
     except Exception as e:  # noqa: BLE001 - reported to the client and logged, never swallowed
         log.exception("unhandled error on %s", request.path)
-        return _error(500, f"{type(e).__name__}: {e}")
-
-
-# ---- /generate ---------------------------------------------------------------------------------
-def _per_item(value: Any, i: int, n: int, name: str) -> Any:
-    if isinstance(value, list) and name != "input_ids":
-        if len(value) != n:
-            raise EngineInputError(f"{name} is a list of {len(value)} but the batch has {n} inputs")
-        return value[i]
-    return value
-
-
-def _build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Request], bool]:
-    if "input_ids" not in body or body["input_ids"] is None:
-        if body.get("text") is not None:
-            raise EngineInputError("text input needs a tokenizer; this engine runs like --skip-tokenizer-init: send input_ids")
-        raise EngineInputError("input_ids is required")
-    ids = body["input_ids"]
-    batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
-    items = ids if batch else [ids]
-    n = len(items)
-    sp = body.get("sampling_params")
-    if isinstance(sp, list) and not batch:
-        raise EngineInputError("sampling_params is a list but input_ids is a single sequence")
-    reqs = []
-    for i, item in enumerate(items):
-        reqs.append(
-            engine.new_request(
-                item,
-                _per_item(sp, i, n, "sampling_params") if batch else sp,
-                rid=_per_item(body.get("rid"), i, n, "rid") if batch else body.get("rid"),
-                return_logprob=_per_item(body.get("return_logprob", False), i, n, "return_logprob") or False,
-                logprob_start_len=_per_item(body.get("logprob_start_len", -1), i, n, "logprob_start_len"),
-                top_logprobs_num=_per_item(body.get("top_logprobs_num", 0), i, n, "top_logprobs_num") or 0,
-                where=f"input_ids[{i}]" if batch else "input_ids",
-            )
-        )
-    rids = [r.rid for r in reqs]
-    if len(set(rids)) != len(rids):
-        raise EngineInputError(f"rids in one batch must be unique, got {rids}")
-    return reqs, batch
-
-
-def _lp_items(values: list[Any], ids: list[int]) -> list[list[Any]]:
-    return [[v, t, None] for v, t in zip(values, ids)]
-
-
-def _top_items(tops: list[Any]) -> list[Any]:
-    return [None if t is None else [[v, i, None] for v, i in t] for t in tops]
-
-
-def _response(req: Request, n: int, final: bool) -> dict[str, Any]:
-    """SGLang's generate JSON for the first `n` output tokens of `req`."""
-    ids = req.output_ids[:n]
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": req.finish_reason if final else None,
-        "prompt_tokens": len(req.input_ids),
-        "weight_version": req.weight_version,
-        "num_retractions": req.num_retractions,
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
-    }
-    if req.return_logprob:
-        meta["input_token_logprobs"] = (
-            _lp_items(req.input_token_logprobs, req.input_ids[req.logprob_start_len:])
-            if req.input_token_logprobs is not None else []
-        )
-        meta["output_token_logprobs"] = _lp_items(req.output_logprobs[:n], ids)
-        if req.top_logprobs_num > 0:
-            meta["input_top_logprobs"] = _top_items(req.input_top_logprobs or [])
-            meta["output_top_logprobs"] = _top_items(req.output_top_logprobs[:n])
-    if final:
-        meta["e2e_latency"] = req.e2e_latency()
-    return {"output_ids": ids, "meta_info": meta}
-
-
-class _Watch:
-    """Receives (n, finished) from the worker thread on the event loop; keeps only the newest."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.n = 0
-        self.finished = False
-        self.changed = asyncio.Event()
-
-    def notifier(self, n: int, finished: bool) -> None:
-        self.loop.call_soon_threadsafe(self._set, n, finished)
-
-    def _set(self, n: int, finished: bool) -> None:
-        self.n = max(self.n, n)
-        self.finished = self.finished or finished
-        self.changed.set()
-
-    async def wait(self) -> None:
-        await self.changed.wait()
-        self.changed.clear()
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    body = await _json_body(request)
-    reqs, batch = _build_requests(engine, body)
-    stream = bool(body.get("stream", False))
-    for r in reqs:
-        r.stream = stream
-    loop = asyncio.get_running_loop()
-    watches = [_Watch(loop) for _ in reqs]
-    submitted: list[Request] = []
-    try:
-        for r, w in zip(reqs, watches):
-            submitted.append(r)  # before the await: a cancelled submit may still reach the worker
-            await engine.submit(r, w.notifier)
-        failed = next((r for r in reqs if r.error is not None), None)
-        if failed is not None:
-            for r in reqs:
-                if not r.finished:
-                    await engine.abort(r.rid)
-            return _error(failed.error[0], failed.error[1])
-        if stream:
-            return await _stream(request, reqs, watches, batch)
-        for w in watches:
-            while not w.finished:
-                await w.wait()
-        failed = next((r for r in reqs if r.error is not None), None)
-        if failed is not None:
-            return _error(failed.error[0], failed.error[1])
-        out = [_response(r, len(r.output_ids), True) for r in reqs]
-        return web.json_response(out if batch else out[0])
-    finally:
-        # A client that went away (handler cancelled) must not leave its requests decoding.
-        for r in submitted:
-            if not r.finished:
-                await asyncio.shield(engine.abort(r.rid))
-
-
-async def _stream(request: web.Request, reqs: list[Request], watches: list[_Watch], batch: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    sent = [-1] * len(reqs)
-    pending = set(range(len(reqs)))
-    while pending:
-        waits = {asyncio.ensure_future(watches[i].wait()): i for i in pending}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in waits:
-                t.cancel()
-        for i in sorted(pending):
-            r, w = reqs[i], watches[i]
-            if r.error is not None:
-                chunk: dict[str, Any] = {"error": {"message": r.error[1]}}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                pending.discard(i)
-                continue
-            final = w.finished
-            if w.n == sent[i] and not final:
-                continue
-            chunk = _response(r, len(r.output_ids) if final else w.n, final)
-            if batch:
-                chunk["index"] = i
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            sent[i] = w.n
-            if final:
-                pending.discard(i)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+        return error_response(500, f"{type(e).__name__}: {e}")
 
 
 # ---- memory, weights, control ------------------------------------------------------------------
@@ -250,13 +63,13 @@ def _tags(body: dict[str, Any]) -> Any:
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    body = await _json_body(request, allow_empty=True)
+    body = await json_body(request, allow_empty=True)
     await request.app[ENGINE_KEY].release_memory(_tags(body))
     return web.json_response(None)
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
-    body = await _json_body(request, allow_empty=True)
+    body = await json_body(request, allow_empty=True)
     await request.app[ENGINE_KEY].resume_memory(_tags(body))
     return web.json_response(None)
 
@@ -271,44 +84,68 @@ def _update_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     msg = await request.app[ENGINE_KEY].update_weights_from_disk(body.get("model_path"), **_update_kwargs(body))
     return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     if "serialized_named_tensors" not in body:
         raise EngineInputError("serialized_named_tensors is required")
     msg = await request.app[ENGINE_KEY].update_weights_from_tensor(body["serialized_named_tensors"], **_update_kwargs(body))
     return web.json_response({"success": True, "message": msg})
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if "new_version" not in body:
+        raise EngineInputError("new_version is required")
+    abort_all = body.get("abort_all_requests", True)  # SGLang's UpdateWeightVersionReqInput default
+    if not isinstance(abort_all, bool):
+        raise EngineInputError(f"abort_all_requests must be a boolean, got {abort_all!r}")
+    version = body["new_version"]
+    await request.app[ENGINE_KEY].update_weight_version(version, abort_all_requests=abort_all)
+    return web.json_response({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+
 async def flush_cache(request: web.Request) -> web.Response:
-    ok = await request.app[ENGINE_KEY].flush_cache()
-    return web.Response(text=FLUSH_TEXT, status=200 if ok else 400)
+    raw = request.query.get("timeout", "0")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise EngineInputError(f"timeout must be a number of seconds, got {raw!r}") from None
+    if not timeout >= 0:
+        raise EngineInputError(f"timeout must be >= 0, got {raw!r}")
+    ok, message = await request.app[ENGINE_KEY].flush_cache(timeout_s=timeout)
+    if ok:
+        return web.Response(text=FLUSH_TEXT, status=200)
+    return web.Response(text=message or FLUSH_FAILED_TEXT, status=400)
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    body = await _json_body(request, allow_empty=True)
+    body = await json_body(request, allow_empty=True)
     await request.app[ENGINE_KEY].pause(body.get("mode", "abort"))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    await _json_body(request, allow_empty=True)
+    await json_body(request, allow_empty=True)
     await request.app[ENGINE_KEY].continue_generation()
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await json_body(request)
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
     if not isinstance(abort_all, bool):
         raise EngineInputError(f"abort_all must be a boolean, got {abort_all!r}")
-    if not abort_all and not isinstance(rid, str):
-        raise EngineInputError('abort_request needs {"rid": "<id>"} or {"abort_all": true}')
-    await request.app[ENGINE_KEY].abort(None if abort_all else rid)
+    if rid is not None and not isinstance(rid, str):
+        raise EngineInputError(f"rid must be a string, got {rid!r}")
+    if abort_all:
+        await request.app[ENGINE_KEY].abort(None)
+    elif rid:  # SGLang's AbortReq turns a missing rid into "", which matches nothing: 200, ignored
+        await request.app[ENGINE_KEY].abort(rid)
     return web.Response(status=200)
 
 
@@ -320,26 +157,6 @@ async def health(request: web.Request) -> web.Response:
     reason = engine.memory.generation_block_reason()
     if reason is not None:
         return web.Response(status=503, text=reason)
-    return web.Response(status=200)
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """Like SGLang: a real one-token generate through the engine."""
-    engine = request.app[ENGINE_KEY]
-    resp = await health(request)
-    if resp.status != 200:
-        return resp
-    req = engine.new_request([0], {"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_CHECK_{time.monotonic_ns()}")
-    w = _Watch(asyncio.get_running_loop())
-    await engine.submit(req, w.notifier)
-    try:
-        while not w.finished:
-            await asyncio.wait_for(w.wait(), timeout=20)
-    except asyncio.TimeoutError:
-        await engine.abort(req.rid)
-        return web.Response(status=503, text="health generate timed out (engine paused or overloaded)")
-    if req.error is not None:
-        return web.Response(status=503, text=req.error[1])
     return web.Response(status=200)
 
 
@@ -356,7 +173,33 @@ async def model_info(request: web.Request) -> web.Response:
         "has_audio_understanding": False,
         "model_type": getattr(cfg, "model_type", None),
         "architectures": getattr(cfg, "architectures", None),
+        "embedding": _embedding_plan(engine),
     })
+
+
+def _embedding_plan(engine: LocalEngine) -> dict[str, Any]:
+    """SGLang 0.5.17's resolved embedding plan for a generation (non-embedding) model, as it sends it."""
+    budget = engine.scheduler.max_prefill_tokens
+    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+             *range(1280, 4097, 256), *range(4608, 8193, 512)]
+    return {
+        "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+        "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+        "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+        "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+        "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+        "enabled": False, "matryoshka_dimensions": [],
+        "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": budget,
+                "capture_batch_sizes": [b for b in sizes if b <= budget]},
+        "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False, "chunked_prefill_disabled": False},
+    }
+
+
+async def weight_version(request: web.Request) -> web.Response:
+    """Removed in SGLang: it answers 404 pointing to /model_info."""
+    return http_exception(
+        404, "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+    )
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -388,13 +231,18 @@ def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None) ->
     app = web.Application(middlewares=[_errors], client_max_size=1024**3)
     app[ENGINE_KEY] = engine
     app[ARGS_KEY] = dict(server_args or {})
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/release_memory_occupation", release_memory_occupation)
-    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+    # Methods as SGLang's decorators: @app.api_route(..., methods=[...]) / @app.get / @app.post.
+    for method in ("POST", "PUT"):
+        app.router.add_route(method, "/generate", generate)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/release_memory_occupation", release_memory_occupation)
+        app.router.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
+        app.router.add_route(method, "/flush_cache", flush_cache)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    app.router.add_route("GET", "/flush_cache", flush_cache)
-    app.router.add_route("POST", "/flush_cache", flush_cache)
+    app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_get("/get_weight_version", weight_version)
+    app.router.add_get("/weight_version", weight_version)
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/abort_request", abort_request)
@@ -456,8 +304,12 @@ def run(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "random_seed": args.seed,
         "return_original_logprob": args.return_original_logprob,
     }
-    log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, args.port)
-    web.run_app(build_app(engine, server_args), host=args.host, port=args.port, print=None, access_log=None,
+    # Bind first so `--port 0` works: the log line names the port the OS chose.
+    sock = socket.create_server((args.host, args.port))
+    port = sock.getsockname()[1]
+    server_args["port"] = port
+    log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, port)
+    web.run_app(build_app(engine, server_args), sock=sock, print=None, access_log=None,
                 # Cancel a handler whose client went away, so its requests are aborted (SGLang does too).
                 handler_cancellation=True)
     return 0
