@@ -9,9 +9,10 @@ from typing import Any
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the CPU reference engine over SGLang's HTTP API")
-    p.add_argument("--model", default=None, help="HF causal LM folder (default: the shipped tiny tool model)")
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="HF causal LM folder (default: the shipped tiny tool model); --model-path as in SGLang")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=int, default=30000, help="0 = a free port, named in the log")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,

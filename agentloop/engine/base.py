@@ -12,7 +12,7 @@ Nothing here may be called for generation directly by agent code: generation goe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 #: Memory tags SGLang understands for release/resume (`cuda_graph` since ~0.5.5).
@@ -52,6 +52,27 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Alias of `sampling_seed` (SGLang's field name); init-only, never sent as "seed".
+    seed: InitVar[int | None] = None
+
+    def __post_init__(self, seed: int | None) -> None:
+        if seed is not None:
+            if self.sampling_seed is not None and self.sampling_seed != seed:
+                raise ValueError(f"seed={seed} and sampling_seed={self.sampling_seed} disagree; give one of them")
+            self.sampling_seed = seed
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any]) -> "SamplingParams":
+        """From a plain SGLang `sampling_params` dict: known fields by name, `seed` as
+        `sampling_seed`, anything else kept in `extra` (sent as is)."""
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in params.items() if k in known and v is not None}
+        # An explicit null stays explicit (to_json drops None fields): SGLang reads
+        # `max_new_tokens: null` as "until the context ends", not as the default 128.
+        extra = {k: v for k, v in params.items() if (k not in known or v is None) and k != "seed"}
+        if isinstance(kw.get("stop_token_ids"), (list, tuple)):
+            kw["stop_token_ids"] = list(kw["stop_token_ids"])
+        return cls(**kw, extra=extra, seed=params.get("seed"))
 
     def to_json(self) -> dict[str, Any]:
         # Shallow on purpose: this runs once per request on the event loop (asdict deep-copies).
@@ -109,11 +130,13 @@ class EngineClient(Protocol):
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | Mapping[str, Any],
         *,
         rid: str | None = None,
         return_logprob: bool = True,
         timeout: float | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
     ) -> GenerateOutput: ...
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None: ...

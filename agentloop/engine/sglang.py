@@ -228,12 +228,21 @@ class SGLangClient:
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | Mapping[str, Any],
         *,
         rid: str | None = None,
         return_logprob: bool = True,
         timeout: float | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
     ) -> GenerateOutput:
+        """One generate. `sampling_params` may be a plain SGLang dict (`seed` is read as
+        `sampling_seed`); `logprob_start_len` / `top_logprobs_num` are sent only when given (the
+        prompt's logprobs and the top-k lists then sit in `GenerateOutput.raw_meta`)."""
+        if not isinstance(sampling_params, SamplingParams):
+            if not isinstance(sampling_params, Mapping):
+                raise TypeError(f"sampling_params must be SamplingParams or a mapping, got {type(sampling_params).__name__}")
+            sampling_params = SamplingParams.from_mapping(sampling_params)
         # A rid is always sent so every request can be aborted by id.
         rid = rid or uuid.uuid4().hex
         ids = [int(t) for t in input_ids]
@@ -249,6 +258,10 @@ class SGLangClient:
             "return_logprob": bool(return_logprob),
             "rid": rid,
         }
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = int(logprob_start_len)
+        if top_logprobs_num is not None:
+            body["top_logprobs_num"] = int(top_logprobs_num)
         out = await self._json("POST", "/generate", body,
                                timeout=timeout if timeout is not None else self.generate_timeout, retry=False)
         if not isinstance(out, dict):
