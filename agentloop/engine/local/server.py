@@ -213,8 +213,7 @@ async def server_info(request: web.Request) -> web.Response:
         "context_length": engine.context_length,
         "max_running_requests": engine.scheduler.max_running_requests,
         "max_prefill_tokens": engine.scheduler.max_prefill_tokens,
-        "vocab_size": engine.vocab_size,
-        "eos_token_ids": engine.runner.eos_token_ids,
+        "vocab_size": engine.vocab_size,  # read by SGLangClient.resolve_vocab_size (SGLang: the model config)
         "weight_version": engine.weight_version,
         "skip_tokenizer_init": True,
         "enable_memory_saver": True,
@@ -223,7 +222,8 @@ async def server_info(request: web.Request) -> web.Response:
         "tensor_transport": "safetensors",
         "engine": "agentloop-cpu",
         "version": agentloop.__version__,
-        "internal_states": [stats],
+        # SGLang's free-form scheduler state; the CPU engine's logprob mode sits here, not in the args.
+        "internal_states": [{**stats, "return_original_logprob": engine.scheduler.original_logprob}],
     })
 
 
@@ -300,10 +300,7 @@ def run(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
     )
     engine.start()
-    server_args = {
-        "host": args.host, "port": args.port, "random_seed": args.seed,
-        "return_original_logprob": args.return_original_logprob,
-    }
+    server_args = {"host": args.host, "port": args.port, "random_seed": args.seed}
     # Bind first so `--port 0` works: the log line names the port the OS chose.
     sock = socket.create_server((args.host, args.port))
     port = sock.getsockname()[1]
