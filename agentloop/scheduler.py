@@ -329,7 +329,10 @@ class _Run:
         """Score through `rewards.score` (the trainer's function, else the sample's named one, else
         `config.reward` for a sample with a ground truth): sync graders run off the event loop, under
         `reward_timeout`. A reward that cannot be computed makes the trajectory untrainable: it is
-        marked failed with the grader's error; the step goes on."""
+        marked failed with the grader's error; the step goes on. A trajectory that arrives scored (by
+        a Ray worker's scheduler) keeps its reward and the worker's timings."""
+        if traj.reward is not None:
+            return
         await rewards.score(traj, job, timeout=self.cfg.reward_timeout, default=self.cfg.reward, fn=self.s.reward_fn)
         error = traj.extra.get("reward_error")
         if error:
