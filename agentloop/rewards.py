@@ -6,9 +6,11 @@ returns a float, a `RewardResult` (a reward plus optional per-turn rewards and d
 an awaitable of one of these. `call_reward` runs one: sync functions in a worker thread
 (`anyio.to_thread.run_sync`) so a slow grader never blocks the event loop, every call under a
 timeout. Registered functions (by name) and a trainer's own function (`Runtime(reward_fn=...)`)
-go through the same `call_reward`. A function that raises, times out or returns garbage leaves `trajectory.reward`
-None and records the error in `trajectory.metrics["reward_error"]` and `trajectory.extra
-["reward_error"]` — one bad grader never crashes a step.
+go through the same `call_reward`. `score` picks the function: the trainer's, else `sample.reward`,
+else a default (`SchedulerConfig.reward`) for samples with a ground truth. A function that raises,
+times out or returns garbage leaves `trajectory.reward` None and records the error in
+`trajectory.metrics["reward_error"]` and `trajectory.extra["reward_error"]` — one bad grader never
+crashes a step.
 
 Built-in: `arithmetic` (the last assistant message states `The answer is N.` with N ==
 `sample.ground_truth`, via `agentloop.tasks.arithmetic`); `tool_success` (a per-turn reward: the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Union
@@ -37,6 +40,7 @@ __all__ = [
     "registered_rewards",
     "score",
     "call_reward",
+    "RewardTimeout",
     "reward_name",
     "last_assistant_text",
 ]
@@ -49,6 +53,10 @@ class RewardResult:
     reward: float
     turn_rewards: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function ran past its timeout (and was cancelled)."""
 
 
 RewardValue = Union[float, int, bool, RewardResult]
@@ -98,7 +106,7 @@ def _accepts(fn: Any, name: str) -> bool:
 def _coerce(value: Any, name: str) -> RewardResult:
     if isinstance(value, RewardResult):
         result = value
-    elif isinstance(value, (bool, int, float)):
+    elif isinstance(value, numbers.Real):  # also numpy scalars
         result = RewardResult(float(value))
     elif isinstance(value, Mapping) and "reward" in value:
         info = {k: v for k, v in value.items() if k not in ("reward", "turn_rewards")}
@@ -107,7 +115,7 @@ def _coerce(value: Any, name: str) -> RewardResult:
         raise TypeError(
             f"reward {name!r} returned {type(value).__name__}; expected a float, a RewardResult or a dict with 'reward'"
         )
-    if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)):
+    if not isinstance(result.reward, numbers.Real):
         raise TypeError(f"reward {name!r} returned reward={result.reward!r}; expected a number")
     if not math.isfinite(float(result.reward)):
         raise ValueError(f"reward {name!r} returned a non-finite value {result.reward!r}")
@@ -134,7 +142,7 @@ async def call_reward(
     name: str | None = None,
 ) -> RewardResult | None:
     """Run one reward function on a finished trajectory and return its result (None: it returned None,
-    i.e. it does not score this trajectory). Raises what the function raised, or `TimeoutError`.
+    i.e. it does not score this trajectory). Raises what the function raised, or `RewardTimeout`.
 
     `fn(trajectory, sample, **sample.reward_kwargs)` — plus `timeout=` if it takes that keyword, so it
     can bound its own work (it then gets one extra second before it is cut off, to report its own
@@ -147,8 +155,9 @@ async def call_reward(
     if _accepts(fn, "timeout"):
         kwargs["timeout"] = timeout
         limit = timeout + 1.0
+    scope = None
     try:
-        with anyio.fail_after(limit):
+        with anyio.fail_after(limit) as scope:
             if _is_async(fn):
                 value = await fn(trajectory, sample, **kwargs)
             else:
@@ -159,7 +168,9 @@ async def call_reward(
                 if inspect.isawaitable(value):
                     value = await value
     except TimeoutError:
-        raise TimeoutError(f"reward {name!r} timed out after {timeout:g} s") from None
+        if scope is None or not scope.cancel_called:
+            raise  # the grader's own timeout (e.g. an HTTP call of a judge): its message says what
+        raise RewardTimeout(f"reward {name!r} timed out after {timeout:g} s") from None
     return None if value is None else _coerce(value, name)
 
 
@@ -187,7 +198,7 @@ async def score(
         if fn is None:
             fn = get_reward(name)
         result = await call_reward(fn, trajectory, sample, timeout=timeout, name=name)
-    except TimeoutError as e:
+    except RewardTimeout as e:
         _record_error(trajectory, name, str(e))
     except Exception as e:
         _record_error(trajectory, name, f"reward {name!r} failed: {type(e).__name__}: {e}")

@@ -197,3 +197,16 @@ async def test_the_shipped_default_reward_is_arithmetic() -> None:
     res = await sched.run([s])
     t = res.trajectories[0]
     assert t.status == "completed" and t.reward == 0.0 and t.extra["reward_info"]["expected"] == 42
+
+
+async def test_a_graders_own_timeout_error_is_reported_as_its_failure_and_numpy_scalars_count() -> None:
+    import numpy as np
+
+    def judge(traj: Trajectory, sample: Sample) -> float:
+        raise TimeoutError("judge endpoint did not answer")
+
+    t = _traj()
+    await score(t, Sample(uid="t", messages=[]), fn=judge, timeout=5.0)
+    assert t.reward is None and "failed: TimeoutError: judge endpoint did not answer" in t.extra["reward_error"]
+    await score(t, Sample(uid="t", messages=[]), fn=lambda tr, s: np.float32(0.5))
+    assert t.reward == 0.5 and "reward_error" not in t.extra
