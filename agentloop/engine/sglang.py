@@ -451,9 +451,12 @@ class SGLangClient:
         return await self._success_call("/destroy_weights_update_group", {"group_name": group_name})
 
     # ------------------------------------------------------------------ control
-    async def flush_cache(self) -> bool:
-        """True once flushed; False while the server is busy (SGLang answers 400 then)."""
-        status, data = await self._request("POST", "/flush_cache", None, ok_statuses=(200, 400))
+    async def flush_cache(self, timeout: float | None = None) -> bool:
+        """True once flushed; False while the server is busy (SGLang answers 400 then). With
+        `timeout` (seconds) the server itself waits up to that long for idle (`?timeout=`)."""
+        endpoint = "/flush_cache" if not timeout else f"/flush_cache?timeout={float(timeout)}"
+        call_timeout = None if not timeout else self.timeout + float(timeout)
+        status, data = await self._request("POST", endpoint, None, ok_statuses=(200, 400), timeout=call_timeout)
         if status != 200:
             log.debug("flush_cache on %s refused (%s): %s", self.url, status, error_message(data))
         return status == 200
