@@ -90,8 +90,9 @@ async def test_meta_info_and_sent_timestamp(local_engine: str) -> None:
     assert status == 200 and before <= meta["response_sent_to_client_ts"] <= time.time()
     assert meta["reasoning_tokens"] == 0 and meta["cached_tokens_details"] is None and meta["dp_rank"] is None
     _, _, text = await call(local_engine, "/generate", {"input_ids": PROMPT, "stream": True,
-                                                        "sampling_params": {"max_new_tokens": 3, **GREEDY}})
+                                                        "sampling_params": {"max_new_tokens": 200, **GREEDY}})
     chunks = [json.loads(ln[6:]) for ln in text.split("\n") if ln.startswith("data: {")]
+    assert len(chunks) >= 2
     assert ["response_sent_to_client_ts" in c["meta_info"] for c in chunks] == [True] + [False] * (len(chunks) - 1)
     assert "e2e_latency" in chunks[-1]["meta_info"] and "e2e_latency" not in chunks[0]["meta_info"]
 
@@ -170,6 +171,22 @@ async def test_stream_validation_error_is_an_sse_error_chunk(local_engine: str) 
     assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) == 2
     assert json.loads(lines[0][6:]) == {"error": {"message": "temperature must be a non-negative finite number, got -1.0.",
                                                   "type": "invalid_request_error", "code": 400, "retryable": False}}
+
+
+async def test_engine_refusal_in_a_stream_is_an_sse_error_chunk(local_engine: str) -> None:
+    long = asyncio.create_task(call(local_engine, "/generate", {"input_ids": PROMPT, "rid": "twice",
+                                                                "sampling_params": {"max_new_tokens": 3000, **GREEDY}}))
+    try:
+        await wait_running(local_engine)
+        status, _, text = await call(local_engine, "/generate", {"input_ids": PROMPT, "rid": "twice", "stream": True})
+        lines = [ln for ln in text.split("\n") if ln]
+        assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) == 2
+        err = json.loads(lines[0][6:])["error"]
+        assert "already in flight" in err["message"]
+        assert {k: err[k] for k in ("type", "code", "retryable")} == {"type": "invalid_request_error", "code": 400, "retryable": False}
+    finally:
+        await call(local_engine, "/abort_request", {"rid": "twice"})
+        await long
 
 
 async def test_repetition_penalty_over_http_changes_a_repeating_greedy_run(local_engine: str) -> None:
