@@ -5,7 +5,9 @@ It wires the pieces (model runner, memory manager, scheduler) together, validate
 `Scheduler.call`, awaiting the result from the event loop, so the aiohttp loop never blocks on a
 forward pass. Slow preparation that touches no engine state (reading safetensors from disk,
 base64-decoding tensor payloads) runs in a helper thread first. Errors meant for the client are
-`EngineInputError` (HTTP 4xx/503 with a message); the server maps them.
+`EngineInputError` (HTTP 4xx/503 with a message); the server maps them. Length rules and weight
+updates follow SGLang: prompt + explicit max_new_tokens beyond the context is refused (no silent
+clipping), and an update waits for the generates in flight (`model_update_lock`, rwlock.py).
 """
 
 from __future__ import annotations

@@ -100,6 +100,8 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
     reqs: list[Request] = []
     for i, item in enumerate(items):
         logical = rids[i]
+        if logical is not None and not isinstance(logical, str):
+            raise EngineInputError("The rid should be a string or a list of strings.")
         for _ in range(n):
             rid = logical if n == 1 else f"{logical or uuid.uuid4().hex}_{uuid.uuid4().hex}"
             reqs.append(engine.new_request(

@@ -115,8 +115,8 @@ async def flush_cache(request: web.Request) -> web.Response:
         timeout = float(raw)
     except ValueError:
         raise EngineInputError(f"timeout must be a number of seconds, got {raw!r}") from None
-    if not timeout >= 0:
-        raise EngineInputError(f"timeout must be >= 0, got {raw!r}")
+    if not 0 <= timeout < float("inf"):
+        raise EngineInputError(f"timeout must be a finite number of seconds >= 0, got {raw!r}")
     ok, message = await request.app[ENGINE_KEY].flush_cache(timeout_s=timeout)
     if ok:
         return web.Response(text=FLUSH_TEXT, status=200)
