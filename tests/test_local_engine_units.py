@@ -179,3 +179,51 @@ async def test_engine_process_start_failure_reports_log_tail(tmp_path: Path) -> 
         await proc.start(timeout=60)
     assert "exited with code" in str(err.value) and "Traceback" in str(err.value)
     assert proc.url.startswith("http://127.0.0.1:")
+
+
+# ---- model-update lock (SGLang's RWLock semantics) -------------------------------------------------
+async def test_model_update_lock_writer_waits_and_has_preference() -> None:
+    import asyncio
+
+    from agentloop.engine.local.rwlock import ModelUpdateLock
+
+    lock, order = ModelUpdateLock(), []
+    first_in, release_first = asyncio.Event(), asyncio.Event()
+
+    async def reader(name: str, hold: asyncio.Event | None = None) -> None:
+        async with lock.reader():
+            order.append(f"{name} in")
+            if hold is not None:
+                first_in.set()
+                await hold.wait()
+        order.append(f"{name} out")
+
+    async def writer() -> None:
+        async with lock.writer():
+            order.append("writer")
+
+    r1 = asyncio.create_task(reader("r1", release_first))
+    await first_in.wait()
+    w = asyncio.create_task(writer())
+    await asyncio.sleep(0.01)
+    r2 = asyncio.create_task(reader("r2"))  # arrives while the writer waits: queued behind it
+    await asyncio.sleep(0.01)
+    assert order == ["r1 in"]
+    release_first.set()
+    await asyncio.gather(r1, w, r2)
+    assert order == ["r1 in", "r1 out", "writer", "r2 in", "r2 out"]
+
+    # a writer cancelled while waiting lets the readers queued behind it go
+    hold = asyncio.Event()
+    first_in.clear()
+    r3 = asyncio.create_task(reader("r3", hold))
+    await first_in.wait()
+    w2 = asyncio.create_task(writer())
+    await asyncio.sleep(0.01)
+    r4 = asyncio.create_task(reader("r4"))
+    await asyncio.sleep(0.01)
+    w2.cancel()
+    await asyncio.wait_for(r4, 1)
+    hold.set()
+    await r3
+    assert lock.readers == 0
