@@ -123,7 +123,7 @@ class Runtime:
         self.model_path: str | None = None
         self.steps_done = 0
         self._rows_converted = 0  #: dict rows given to `step` so far (numbers their generated uids)
-        #: Smallest context length the engines reported at start (None: none reported).
+        #: Smallest usable context (prompt + response) the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
         self._step_lock = anyio.Lock()
         self._portal_cm: Any = None
@@ -272,8 +272,9 @@ class Runtime:
         return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))
 
     async def _fit_context_to_engines(self) -> None:
-        """Lower `agent.max_context_tokens` to the smallest context length the engines report, so an
-        agent loop stops at the real limit instead of sending a request the engine refuses. Only lowers;
+        """Lower `agent.max_context_tokens` to the smallest usable context the engines report (see
+        `_reported_context_length`), so an agent loop stops at the real limit instead of sending a
+        request the engine refuses or cuts short. Only lowers;
         engines that report none (or cannot be asked) leave the configured value."""
         reported: dict[str, int] = {}
         for c in self.clients:
@@ -288,7 +289,7 @@ class Runtime:
         self.engine_context_length = min(reported.values()) if reported else None
         agent = self.config.agent
         if self.engine_context_length is not None and self.engine_context_length < agent.max_context_tokens:
-            log.info("agent.max_context_tokens %d lowered to %d, the engines' context length (%s)",
+            log.info("agent.max_context_tokens %d lowered to %d, the engines' usable context (%s)",
                      agent.max_context_tokens, self.engine_context_length, reported)
             # A copy: the caller's config object is left as given.
             self.config = self.config.model_copy(
@@ -487,16 +488,20 @@ class Runtime:
 
 
 def _reported_context_length(info: Mapping[str, Any]) -> int | None:
-    """Context length from an engine's `/server_info`: `context_length` (the CPU engine; SGLang when
-    launched with `--context-length`), else SGLang's `max_req_input_len` + 1 (its scheduler's limit on
-    a request: the model's context, or less when the KV pool is smaller)."""
+    """How long (prompt + response) a trajectory may grow on an engine, from its `/server_info`, so
+    that every turn is accepted and gets the `max_new_tokens` it asks for. SGLang (and the CPU engine,
+    which copies it) caps `max_new_tokens` at `context_length - 2 - input` (its scheduler's
+    `max_req_len - input - 1`, `max_req_len = context - 1`) and aborts an input of
+    `max_req_input_len` tokens or more; the CPU engine reports only `context_length`, SGLang reports
+    `max_req_input_len` and `context_length` (null unless launched with `--context-length`)."""
+    limits = []
     n = info.get("context_length")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-        return n
+    if isinstance(n, int) and not isinstance(n, bool) and n > 2:
+        limits.append(n - 2)
     n = info.get("max_req_input_len")
     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-        return n + 1
-    return None
+        limits.append(n)
+    return min(limits) if limits else None
 
 
 async def _start_all(procs: Sequence[Any], timeout: float) -> list[str]:

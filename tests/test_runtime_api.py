@@ -94,19 +94,19 @@ def test_context_budget_is_lowered_to_the_engines_smallest_context_length() -> N
                ReportingEngine("http://b", {"context_length": None, "max_req_input_len": 23})]  # SGLang's
     cfg = RuntimeConfig.model_validate({"agent": {"agent": "replay", "max_response_tokens": 200}})
     with Runtime(cfg, clients=engines, tokenizer=TOK, tools=object(), reward_fn=length_reward) as rt:
-        assert rt.engine_context_length == 24
-        assert rt.config.agent.max_context_tokens == 24 and rt.scheduler.agent_config.max_context_tokens == 24
+        assert rt.engine_context_length == 23  # min(64 - 2, SGLang's max_req_input_len 23)
+        assert rt.config.agent.max_context_tokens == 23 and rt.scheduler.agent_config.max_context_tokens == 23
         assert cfg.agent.max_context_tokens == 4096  # the caller's config object is left as given
         for step in range(2):
             s = Sample(uid=f"s{step}", messages=[], extra={"prompt_ids": [5, 6, 7, 8], "replay": [{"gen_tokens": 50}]})
             t = rt.step_sync([s]).trajectories[0]
-            assert len(t.prompt_ids) + len(t.response_ids) == 24  # stopped at the engines' context, not 4 + 50
+            assert len(t.prompt_ids) + len(t.response_ids) == 23  # stopped at the engines' context, not 4 + 50
             assert t.status == "truncated" and t.finish_reason == "max_context_tokens"
 
     # only lowers; engines that report nothing (or fail to answer) keep the configured value
     with Runtime({"agent": {"max_context_tokens": 16}}, clients=[ReportingEngine("http://a", {"context_length": 64})],
                  tokenizer=TOK, tools=object()) as rt:
-        assert rt.engine_context_length == 64 and rt.scheduler.agent_config.max_context_tokens == 16
+        assert rt.engine_context_length == 62 and rt.scheduler.agent_config.max_context_tokens == 16
     with Runtime(clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object()) as rt:
         assert rt.engine_context_length is None and rt.scheduler.agent_config.max_context_tokens == 4096
 
@@ -149,8 +149,8 @@ def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps
                   "max_assistant_turns": 3, "max_response_tokens": 200},
     }
     with Runtime(cfg) as rt:
-        assert rt.engine_context_length == 1024  # the engine's --context-length, below the configured 4096
-        assert rt.scheduler.agent_config.max_context_tokens == 1024
+        assert rt.engine_context_length == 1022  # the engine's --context-length less SGLang's 2, below the configured 4096
+        assert rt.scheduler.agent_config.max_context_tokens == 1022
         ran = _spy_agents(rt)
         for step in range(2):
             res = rt.step_sync([{"prompt": "What is 2 + 3?", "ground_truth": 5},
@@ -164,3 +164,25 @@ def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps
             assert plain.reward in (0.0, 1.0) and tool.reward in (0.0, 1.0)
             assert plain.extra["reward_info"]["expected"] == 5 and tool.extra["reward_info"]["expected"] == 42
             assert res.metrics["generations_outside_awake"] == 0
+
+
+def test_a_trajectory_runs_up_to_the_real_engines_context_and_every_turn_gets_what_it_asked(tmp_path) -> None:
+    """On the CPU engine (which caps max_new_tokens like SGLang's scheduler, at context - 2 - input),
+    a replay trajectory longer than the context stops exactly at the usable context: the turn that
+    reaches it is granted every token the agent asked for (no engine cut, no 400), two steps."""
+    from agentloop.models.random_model import make_random_model
+
+    model = make_random_model(tmp_path / "model", seed=3)
+    cfg = {"engine": {"model": str(model),
+                      "local_args": ["--num-threads", "1", "--log-level", "warning", "--context-length", "64"]},
+           "agent": {"agent": "replay", "max_response_tokens": 500, "max_new_tokens_per_turn": 30}}
+    turns = [{"gen_tokens": 30, "tool_result_tokens": 3}, {"gen_tokens": 30, "tool_result_tokens": 3}, {"gen_tokens": 30}]
+    with Runtime(cfg) as rt:
+        assert rt.engine_context_length == 62
+        for step in range(2):
+            s = Sample(uid=f"c{step}", messages=[], extra={"prompt_ids": [5, 6, 7, 8], "replay": turns})
+            t = rt.step_sync([s]).trajectories[0]
+            assert t.status == "truncated" and t.finish_reason == "max_context_tokens", t.error
+            assert len(t.prompt_ids) + len(t.response_ids) == 62
+            # 4 prompt + 30 + 3 tool + 25 asked of the last turn (62 - 37) and all 25 sampled
+            assert [turn.length for turn in t.turns] == [30, 25]
