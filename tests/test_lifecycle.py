@@ -251,6 +251,68 @@ async def test_concurrent_wake_ups_share_one_and_second_is_noop() -> None:
     assert eng.ops().count("update_disk") == 2 and lc.weight_version == "s2"
 
 
+async def test_same_state_dict_is_one_wake_up_each_step() -> None:
+    """`Weights.coerce` wraps each call's dict anew: sameness is the dict object, not the wrapper."""
+    eng = RecordingEngine(asleep=True)
+    lc = Lifecycle([eng], awake=False)
+    for step in (1, 2):
+        sd = {"w": object()}  # a trainer builds one state dict per step
+        eng.calls.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lc.wake_up, sd)
+            tg.start_soon(lc.wake_up, sd)
+        assert eng.ops() == ["resume", "update_tensor", "resume"] and lc.weight_version == f"v{step}"
+        assert await lc.wake_up(sd) == f"v{step}"  # again while AWAKE: a no-op, version unchanged
+        assert await lc.wake_up(Weights(state_dict=sd)) == f"v{step}"
+        assert eng.ops().count("update_tensor") == 1 and lc.weight_version == f"v{step}"
+        out = await lc.generate(eng.url, [1], P)
+        assert out.weight_version == f"v{step}"
+        await lc.sleep()
+        assert lc.state is EngineState.SLEEPING
+    assert eng.generates_while_invalid == 0
+
+
+async def test_same_path_is_one_wake_up_each_step() -> None:
+    from pathlib import Path
+
+    eng = RecordingEngine(asleep=True)
+    lc = Lifecycle([eng], awake=False)
+    for step in (1, 2):
+        eng.calls.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lc.wake_up, "/ckpt/step")
+            tg.start_soon(lc.wake_up, Path("/ckpt/step"))
+        assert eng.ops() == ["resume", "update_disk", "resume"] and lc.weight_version == f"v{step}"
+        assert await lc.wake_up("/ckpt/step/") == f"v{step}"  # the same folder: a no-op
+        assert eng.ops().count("update_disk") == 1
+        await lc.generate(eng.url, [1], P)
+        await lc.sleep()
+    # an explicit new version forces a reload of the same path while AWAKE
+    eng.calls.clear()
+    await lc.wake_up("/ckpt/step")
+    assert await lc.wake_up(Weights(path="/ckpt/step", version="hot")) == "hot"
+    assert eng.ops().count("update_disk") == 2 and eng.weight_version == "hot"
+    await lc.sleep()
+
+
+async def test_different_state_dict_while_awake_is_loaded_in_place() -> None:
+    """Not dropped and not an error: a trainer may push weights without a sleep (documented)."""
+    eng = RecordingEngine(asleep=True)
+    lc = Lifecycle([eng], awake=False)
+    for step in (1, 2):
+        first, second = {"w": object()}, {"w": object()}
+        eng.calls.clear()
+        v1 = await lc.wake_up(first)
+        v2 = await lc.wake_up(second)
+        assert v1 != v2 and lc.weight_version == v2 and eng.weight_version == v2
+        assert eng.ops() == ["resume", "update_tensor", "resume", "update_tensor"]  # no extra resume
+        assert await lc.wake_up(second) == v2  # and that one is now the served one
+        assert (await lc.generate(eng.url, [1], P)).weight_version == v2
+        await lc.sleep()
+        assert lc.state is EngineState.SLEEPING
+    assert eng.generates_while_invalid == 0
+
+
 async def test_sleep_with_requests_in_flight_aborts_and_settles_before_release() -> None:
     for step in range(2):
         eng = RecordingEngine(gen_delay=2.0)

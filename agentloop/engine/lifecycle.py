@@ -72,6 +72,28 @@ class Weights:
         raise TypeError(f"weights must be a state dict, a path, Weights or None; got {type(weights).__name__}")
 
 
+def _same_weights(a: Weights | None, b: Weights | None) -> bool:
+    """Whether two wake-up requests ask for the same weights.
+
+    `Weights.coerce` wraps a state dict or a path in a fresh `Weights` on every call, so identity of
+    the wrappers says nothing: the same state dict object (`is`: equal tensors cannot be compared
+    cheaply, and a trainer passes the one dict it built) or the same path is the same request. An
+    explicit `version` different from the other's is a new request (the way to force a reload of a
+    path or of a dict updated in place).
+    """
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    if a.version is not None and a.version != b.version:
+        return False
+    if a.load_format != b.load_format:
+        return False
+    if a.state_dict is not None or b.state_dict is not None:
+        return a.state_dict is b.state_dict
+    return a.path is not None and b.path is not None and Path(a.path) == Path(b.path)
+
+
 @dataclass
 class StageRecord:
     """Timing of one lifecycle stage (across all engines), for summaries and the timeline."""
@@ -243,22 +265,29 @@ class Lifecycle:
     async def wake_up(self, weights: "Weights | Mapping[str, Any] | str | Path | None" = None) -> str | None:
         """Staged wake-up; returns the weight version now served.
 
-        Callers that arrive while a wake-up with the same weights is running share it (and its
-        error). While AWAKE, a call without weights (or with the version already served) is a
-        no-op; new weights are loaded in place, never dropped.
+        "The same weights" means the same state dict object or the same path (see `_same_weights`),
+        not the same `Weights` wrapper. Callers that arrive while a wake-up with the same weights
+        (or with none) is running share it (and its error). While AWAKE, a call without weights,
+        with the same weights as the last load, or with the version already served is a no-op.
+        Different weights while AWAKE (another state dict, another path, a new `version`) are loaded
+        in place with a new version and logged, never dropped: this is how a trainer pushes weights
+        without a sleep. To reload a path or a dict changed in place while AWAKE, give a new version.
         """
         w = Weights.coerce(weights)
         joining = self._waking
-        if joining is not None and (w is None or w is joining[0]):
+        if joining is not None and (w is None or _same_weights(w, joining[0])):
             await joining[1].wait()
             if joining[2]:
                 raise joining[2][0]
             return self.weight_version
         async with self._transition_lock:
             if self._state is EngineState.AWAKE:
-                already = w is self._last_weights or (w is not None and w.version and w.version == self.weight_version)
+                already = w is None or _same_weights(w, self._last_weights) or (
+                    w.version is not None and w.version == self.weight_version)
                 if w is not None and not already:
                     version = self._next_version(w)
+                    log.info("wake_up while AWAKE with new weights: loading them in place (%s -> %s)",
+                             self.weight_version, version)
                     await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
                     self._last_weights = w
                 return self.weight_version
