@@ -167,8 +167,9 @@ def r4(x: float) -> float:
 
 # ------------------------------------------------------------------ command line and engines
 def benchmark_parser(doc: str) -> argparse.ArgumentParser:
-    """The parser every rollout benchmark starts from: its docstring's first line and the engine options."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    """The parser every rollout benchmark starts from: its docstring's first paragraph (a summary that
+    may wrap over several lines; argparse re-flows it) and the engine options."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     g = p.add_argument_group("engine")
     g.add_argument("--engine", choices=["cpu", "sglang"], default="cpu", help="which engine serves the model")
     g.add_argument("--engine-url", default=None, help="attach to a running server (default: start one)")
