@@ -97,6 +97,7 @@ class RecordingEngine:
 
     async def flush_cache(self) -> bool:
         self.calls.append(("flush", None))
+        self._maybe_fail("flush")
         if self.busy_flushes:
             self.busy_flushes -= 1
             return False
@@ -346,6 +347,65 @@ async def test_flush_retried_while_busy() -> None:
     lc2 = Lifecycle([eng2], awake=True, flush_retries=3, flush_retry_delay=0.001)
     with pytest.raises(LifecycleError, match="flush_cache"):
         await lc2.sleep()
+
+
+FULL_SLEEP = ["pause", "settle", "continue", "flush_cache", "release"]
+
+
+def sleep_stages(lc: Lifecycle) -> list[str]:
+    return [r.stage for r in lc.records if r.phase == "sleep"]
+
+
+@pytest.mark.parametrize("failing, resumed_ops, resumed_stages", [
+    ("flush", ["flush", "release"], ["flush_cache", "release"]),
+    ("release", ["release"], ["release"]),
+])
+async def test_failed_sleep_stage_is_resumed_by_the_retry(failing: str, resumed_ops: list[str], resumed_stages: list[str]) -> None:
+    eng = RecordingEngine()
+    lc = Lifecycle([eng], awake=True)
+    eng.fail_next[failing] = EngineUnavailable(f"/{failing}", None, "connection reset", url=eng.url)
+    await lc.generate(eng.url, [1], P)
+    with pytest.raises(LifecycleError) as ei:
+        await lc.sleep()
+    assert ei.value.stage == resumed_stages[0] and eng.url in str(ei.value)
+    assert lc.state is EngineState.DRAINING and lc.sleep_resume_at == resumed_stages[0]
+    # the gate stays closed and a wake-up says what to do
+    with pytest.raises(TimeoutError):
+        await lc.generate(eng.url, [1], P, gate_timeout=0.05)
+    with pytest.raises(LifecycleError, match=f"failed at stage '{resumed_stages[0]}'.*call sleep"):
+        await lc.wake_up({"w": object()})
+    eng.calls.clear()
+    lc.records.clear()
+    await lc.sleep()  # the retry: from the failed stage on, nothing before it again
+    assert eng.ops() == resumed_ops and sleep_stages(lc) == resumed_stages
+    assert lc.state is EngineState.SLEEPING and lc.sleep_resume_at is None
+    assert eng.released == {"weights", "kv_cache", "cuda_graph"}
+    # then normal steps: full wake-up and full sleep, twice
+    for step in (1, 2):
+        eng.calls.clear()
+        lc.records.clear()
+        v = await lc.wake_up({"w": object()})
+        assert eng.ops() == ["resume", "update_tensor", "resume"] and v == f"v{step}"
+        assert (await lc.generate(eng.url, [1], P)).weight_version == v
+        await lc.sleep()
+        assert sleep_stages(lc) == FULL_SLEEP
+        assert eng.ops()[-4:] == ["pause", "continue", "flush", "release"]
+    assert eng.generates_while_invalid == 0 and lc.generations_outside_awake == 0
+
+
+async def test_sleep_after_a_failed_wake_up_only_releases() -> None:
+    eng = RecordingEngine()
+    lc = Lifecycle([eng], awake=True)
+    for _ in range(2):
+        await lc.sleep()
+        eng.fail_next["update"] = EngineError("/update_weights_from_tensor", 400, "bad", url=eng.url)
+        with pytest.raises(LifecycleError, match="update_weights"):
+            await lc.wake_up({"w": object()})
+        lc.records.clear()
+        await lc.sleep()
+        assert sleep_stages(lc) == ["release"] and lc.state is EngineState.SLEEPING
+        await lc.wake_up({"w": object()})
+        assert lc.state is EngineState.AWAKE
 
 
 async def test_health_never_reaches_a_released_engine() -> None:

@@ -32,6 +32,10 @@ from .base import MEMORY_TAGS, EngineClient, EngineError, GenerateOutput, Sampli
 log = logging.getLogger(__name__)
 
 
+SLEEP_STAGES: tuple[str, ...] = ("pause", "settle", "continue", "flush_cache", "release")
+"""The sleep stages in order (stage names in `LifecycleError.stage` and `StageRecord.stage`)."""
+
+
 class EngineState(str, enum.Enum):
     SLEEPING = "SLEEPING"
     WEIGHTS_RESUMED = "WEIGHTS_RESUMED"
@@ -165,6 +169,7 @@ class Lifecycle:
         self._transition_lock = anyio.Lock()
         self._last_weights: Weights | None = None
         self._waking: tuple[Weights | None, anyio.Event, list[BaseException]] | None = None
+        self._sleep_resume_at: str | None = None
         self._version_counter = itertools.count(1)
         self.weight_version: str | None = None
         self.records: list[StageRecord] = []
@@ -292,7 +297,10 @@ class Lifecycle:
                     self._last_weights = w
                 return self.weight_version
             if self._state is EngineState.DRAINING:
-                raise LifecycleError("wake_up", "a sleep is in progress; it must finish first")
+                # the lock is free, so no sleep is running: the last one failed part-way
+                raise LifecycleError(
+                    "wake_up", f"the last sleep failed at stage '{self._sleep_resume_at}' and the "
+                    "engines are DRAINING; call sleep() to finish it, then wake_up")
             self._waking = (w, anyio.Event(), [])
             try:
                 await self._wake_stages(w)
@@ -322,19 +330,43 @@ class Lifecycle:
         self._set_state(EngineState.AWAKE)
 
     async def sleep(self) -> None:
-        """Close the gate, abort and settle in-flight requests, flush, release every tag."""
+        """Close the gate, abort and settle in-flight requests, flush, release every tag.
+
+        From AWAKE every stage runs. After a failed sleep (state DRAINING) a retry resumes at the
+        stage that failed, like a retried wake-up: a failed flush_cache is flushed again before the
+        release, a failed release is only released again (each server's released tags are tracked,
+        so nothing is released twice). From a wake-up that stopped part-way nothing was generated,
+        so only the release runs.
+        """
         async with self._transition_lock:
             if self._state is EngineState.SLEEPING:
                 return
-            was_awake = self._state is EngineState.AWAKE
+            if self._state is EngineState.AWAKE:
+                first = SLEEP_STAGES[0]
+            elif self._state is EngineState.DRAINING:
+                first = self._sleep_resume_at or SLEEP_STAGES[0]
+            else:
+                first = "release"
             self._set_state(EngineState.DRAINING)
-            if was_awake:
-                await self._stage("sleep", "pause", lambda s: s.client.pause_generation("abort"))
-                await self._stage("sleep", "settle", self._settle)
-                await self._stage("sleep", "continue", lambda s: s.client.continue_generation())
-                await self._stage("sleep", "flush_cache", self._flush)
-            await self._stage("sleep", "release", self._release)
+            run: dict[str, Callable[[_Server], Awaitable[Any]]] = {
+                "pause": lambda s: s.client.pause_generation("abort"),
+                "settle": self._settle,
+                # the engine is not left paused while asleep, so a wake-up needs no continue
+                "continue": lambda s: s.client.continue_generation(),
+                "flush_cache": self._flush,
+                "release": self._release,
+            }
+            for stage in SLEEP_STAGES[SLEEP_STAGES.index(first):]:
+                # set before the stage runs, so an error or a cancellation leaves it pointing here
+                self._sleep_resume_at = stage
+                await self._stage("sleep", stage, run[stage])
+            self._sleep_resume_at = None
             self._set_state(EngineState.SLEEPING)
+
+    @property
+    def sleep_resume_at(self) -> str | None:
+        """The sleep stage a retried `sleep()` starts at (None unless a sleep failed part-way)."""
+        return self._sleep_resume_at
 
     # ------------------------------------------------------------------ stages
     def _next_version(self, w: Weights) -> str:
