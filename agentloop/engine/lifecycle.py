@@ -3,16 +3,21 @@
 States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
 
 `wake_up(weights)` (staged): resume(["weights"]) → load the new weights → resume(["kv_cache",
-"cuda_graph"]) → continue → AWAKE. One-stage mode resumes every released tag at once, then loads.
+"cuda_graph"]) → AWAKE. One-stage mode resumes every released tag at once, then loads.
 `sleep()`: DRAINING (gate closed: new generations wait) → pause(abort) in-flight requests → wait for
-them to settle → flush_cache (retried while busy) → release every tag → SLEEPING.
+them to settle → continue_generation → flush_cache (retried while busy) → release every tag →
+SLEEPING. The continue sits in the sleep, not the wake-up: a paused SGLang server holds new
+requests until continued, so the engine is unpaused before it sleeps and wakes up ready to serve;
+our own gate (closed from DRAINING until AWAKE) is what keeps generations out meanwhile.
 
 This module is the only place that calls an engine's `generate` or `/health`: `Lifecycle.generate`
 awaits the gate, so dispatching to an engine that is not AWAKE is impossible by construction (a
 released SGLang server crashes on a generate or a `/health`). Every stage fans out to all engines
-and is awaited as one; a stage that fails raises `LifecycleError` naming the stage and the server,
-and leaves a state from which `wake_up` (resuming where it stopped) or `sleep` is legal. Each
-engine's released tags are tracked so that exactly the released ones are resumed.
+and is awaited as one; a stage that fails raises `LifecycleError` naming the stage and the server.
+A failed wake-up stage leaves a state from which `wake_up` (resuming where it stopped) or `sleep`
+is legal; a failed sleep stage leaves DRAINING, from which `sleep` resumes at the failed stage (a
+wake-up must wait for that sleep to finish). Each engine's released tags are tracked so that
+exactly the released ones are resumed or released.
 """
 
 from __future__ import annotations
