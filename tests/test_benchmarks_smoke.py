@@ -52,6 +52,8 @@ def test_rollout_throughput_smoke(tmp_path: Path) -> None:
         assert m["generated_tokens"] == p["workload"]["generated_tokens"] > 0
         assert 0 < m["engine_has_work_fraction"] <= 1
     assert p["agentloop_over_ceiling"] > 0 and p["agentloop_over_turn_sync"] > 0
+    # the name for the second headline ratio: the turn-synchronous design is the baseline
+    assert p["agentloop_over_baseline"] == p["agentloop_over_turn_sync"]
     assert "engine_cpu_busy_fraction" in p["agentloop"]  # the CPU engine we started is sampled
     assert {"tool_latency_below_turn_time", "mean_turn_generate_s"} <= set(p)
     assert len(r["runs"]) == 3

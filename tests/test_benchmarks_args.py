@@ -1,0 +1,41 @@
+"""The benchmarks' command lines: help text and flag names (parsing only; nothing is measured or run)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def bench_module(name: str) -> ModuleType:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # as running the script does: it imports its sibling _common
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("flag", ["--tool-latency-means", "--tool-latency-mean", "--tool-latency"])
+def test_rollout_throughput_tool_latency_aliases(flag: str) -> None:
+    rt = bench_module("rollout_throughput")
+    assert rt.parse_args([flag, "0.3", "0.05"]).tool_latency_means == [0.3, 0.05]
+    assert rt.parse_args(["--tool-latency-dist", "constant"]).tool_latency_dist == "constant"
+
+
+def test_long_tail_tool_latency_flag() -> None:
+    lt = bench_module("long_tail")
+    assert lt.parse_args(["--tool-latency", "0.3"]).tool_latency_mean == 0.3
+
+
+@pytest.mark.parametrize("name", ["long_tail", "lifecycle", "rollout_throughput"])
+def test_help_shows_the_whole_first_paragraph(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    mod = bench_module(name)
+    with pytest.raises(SystemExit) as e:
+        mod.parse_args(["--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    first_paragraph = " ".join(mod.__doc__.split("\n\n")[0].split())
+    assert first_paragraph in help_text
