@@ -1,7 +1,8 @@
-"""The `agentloop` command: `rollout` (the main job), `serve` (the CPU reference engine), `config`.
+"""The `agentloop` command: `rollout` (the main job), `serve` (the CPU reference engine), `config`, `bench`.
 
 Each subcommand lives in its own module and exposes `add_parser(subparsers)` and `run(args) -> int`;
-this file only dispatches.
+this file only dispatches. Building the parser imports no subcommand's heavy dependencies (torch,
+the runtime): those are imported by `run`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ SUBCOMMANDS = {
     "rollout": "agentloop.commands.rollout_args",
     "config": "agentloop.commands.config",
     "serve": "agentloop.commands.serve",
+    "bench": "agentloop.commands.bench",
 }
 
 
