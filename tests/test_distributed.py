@@ -216,6 +216,7 @@ def test_ray_mode_equals_local_mode_over_two_steps(rt: RayRuntime, local_referen
         assert all(t.reward is not None for t in res.trajectories)  # scored on the workers, kept by the driver
         ray_metrics = res.metrics["ray"]
         assert ray_metrics["retried"] == [] and ray_metrics["worker_generations_outside_awake"] == 0
+        assert res.metrics["retried"] == [] and res.metrics["worker_deaths"] == [] and res.metrics["servers_removed"] == {}
         assert len(ray_metrics["jobs_per_worker"]) == 2  # both workers served
         groups: dict[str, set[int]] = {}
         for t in res.trajectories:
@@ -335,6 +336,9 @@ def test_killing_a_worker_mid_step_loses_nothing(rt: RayRuntime) -> None:
     assert res.metrics["status_counts"]["completed"] == 6 and len(res.trajectories) == 6 and not res.carry_over
     assert ray_metrics["retried"] and {r["worker"] for r in ray_metrics["retried"]} == set(killed)
     assert [d["worker"] for d in ray_metrics["worker_deaths"]] == killed
+    # What was retried and what died is also at the top level of the step's metrics (the same lists).
+    assert res.metrics["retried"] is ray_metrics["retried"] and res.metrics["worker_deaths"] is ray_metrics["worker_deaths"]
+    assert res.metrics["servers_removed"] == {}
     assert ray_metrics["workers_replaced"] and ray_metrics["workers_alive"] == 2
     retried = {r["uid"] for r in ray_metrics["retried"]}
     assert all(t.extra["worker"] != killed[0] for t in res.trajectories if t.uid in retried)
@@ -365,6 +369,8 @@ def test_dead_engine_server_is_taken_out(rt: RayRuntime) -> None:
     thread.join()
     assert res.metrics["status_counts"]["completed"] == 6
     assert victim["url"] in res.metrics["servers_removed"]
+    assert res.metrics["ray"]["servers_removed"] is res.metrics["servers_removed"]
+    assert res.metrics["retried"] == [] and res.metrics["worker_deaths"] == []  # a server death kills no worker
     moved = [t for t in res.trajectories if t.extra["servers"] == [victim["url"], info[1]["url"]]]
     assert moved, "some trajectories must have moved from the killed server to the other one"
     for t in res.trajectories:

@@ -19,7 +19,9 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
   through its own `Scheduler` (timeouts, failure isolation, reward) and hands back the trajectory.
 - **Faults**: a worker that dies mid-step has its unfinished trajectories re-run elsewhere; a server
   that dies is taken out (by the worker that saw it fail, or by the liveness probe before each
-  wake-up and sleep). `StepResult.metrics["ray"]` says what was retried and what died.
+  wake-up and sleep). The step's metrics say what was retried (`retried`), which workers died
+  (`worker_deaths`) and which servers were taken out (`servers_removed`), at the top level and, with
+  the rest of the Ray counters, under `metrics["ray"]`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ..config import RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
-from ..runtime import Runtime
+from ..runtime import Runtime, StepResult
 from ..scheduler import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
@@ -161,12 +163,18 @@ class RayScheduler(Scheduler):
         result = await super().run(samples, on_trajectory=on_trajectory, config=driver_cfg)
         stats = await self.pool.stats()
         ev = self.pool.events
+        retried, deaths = list(ev.retried), list(ev.worker_deaths)
+        # The same objects at the top level (where a trainer looks first) and under "ray".
+        removed = result.metrics.setdefault("servers_removed", {})
+        result.metrics["retried"] = retried
+        result.metrics["worker_deaths"] = deaths
         result.metrics["ray"] = {
             "workers_alive": len(self.pool.workers),
             "jobs_per_worker": dict(ev.jobs_per_worker),
-            "retried": list(ev.retried),
-            "worker_deaths": list(ev.worker_deaths),
+            "retried": retried,
+            "worker_deaths": deaths,
             "workers_replaced": list(ev.replaced),
+            "servers_removed": removed,
             "worker_generations_outside_awake": sum(s["generations_outside_awake"] for s in stats),
         }
         return result
@@ -317,6 +325,15 @@ class RayRuntime(Runtime):
                 error = f"{type(e).__name__}: {e}"
             if error is not None:
                 await self._server_removed(client.url, f"failed the liveness probe ({error})")
+
+    # ------------------------------------------------------------------ the step
+    async def step(self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any) -> StepResult:
+        """`Runtime.step`; `metrics["servers_removed"]` also names servers the sleep's liveness probe
+        found dead (it runs after the scheduler reported its metrics)."""
+        result = await super().step(samples, weights, **kwargs)
+        if self.router is not None:
+            result.metrics.setdefault("servers_removed", {}).update(self.router.stats.removed)  # in place: "ray" shares it
+        return result
 
     # ------------------------------------------------------------------ introspection
     async def worker_stats(self, *, times: bool = False) -> list[dict[str, Any]]:
