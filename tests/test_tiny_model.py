@@ -210,6 +210,9 @@ def test_chat_template_tools_tool_calls_and_tool_role(tok, script):
         [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], tokenize=False
     )
     assert two.endswith("<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n")
+    # A tool result that is not a string (a client's int or JSON value) renders as its text.
+    num = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "tool", "content": 42}], tokenize=False)
+    assert num.endswith("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n")
     # A system message replaces the default; without tools it is a plain system turn.
     sys_text = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}], tokenize=False)
     assert sys_text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
