@@ -34,14 +34,14 @@ import anyio.from_thread
 from .batch import CollateError, RolloutBatch, collate
 from .config import RuntimeConfig
 from .engine.base import EngineClient
-from .engine.lifecycle import Lifecycle, Weights
+from .engine.lifecycle import EngineState, Lifecycle, Weights
 from .engine.router import Router
 from .scheduler import ScheduleResult, Scheduler, with_overrides
 from .types import Sample, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepResult", "StepStream"]
+__all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
@@ -50,14 +50,23 @@ class RuntimeError_(RuntimeError):
     """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
 
 
-class StepCollateError(RuntimeError_):
-    """The rollout finished but its trajectories cannot be collated (e.g. one is longer than `pad_to`).
-    Nothing is lost: the step's `trajectories` and `carry_over` are on the exception."""
+class StepError(RuntimeError_):
+    """The rollout finished but the step could not be completed. Nothing is lost: the step's
+    `trajectories` and `carry_over` are on the exception."""
 
     def __init__(self, message: str, trajectories: list[Trajectory], carry_over: list[Sample]) -> None:
         super().__init__(message)
         self.trajectories = trajectories
         self.carry_over = carry_over
+
+
+class StepCollateError(StepError):
+    """The trajectories cannot be collated (e.g. one is longer than `pad_to`)."""
+
+
+class StepSleepError(StepError):
+    """The engines' sleep after the rollout failed (the error names the stage and server). The next
+    `step` finishes that sleep from the failed stage before it wakes the engines."""
 
 
 def _check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
@@ -341,16 +350,30 @@ class Runtime:
             first_record = len(lc.records)
             t0 = time.monotonic()
             version: str | None = None
+            result: ScheduleResult | None = None
+            if lc.state is EngineState.DRAINING:
+                # The last step's sleep failed part-way: finish it (from the failed stage) so this
+                # step wakes from a clean SLEEPING state; if it fails again, nothing was woken.
+                log.warning("finishing the previous step's sleep (failed at stage %r) before waking", lc.sleep_resume_at)
+                await lc.sleep()
             try:
                 version = await lc.wake_up(weights)
                 t_awake = time.monotonic()
-                result: ScheduleResult = await self.scheduler.run(
-                    samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory)
+                result = await self.scheduler.run(samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory)
             finally:
                 t_rolled = time.monotonic()
                 with anyio.CancelScope(shield=True):
-                    await lc.sleep()
+                    try:
+                        await lc.sleep()
+                    except Exception as e:
+                        if result is None:
+                            raise  # the rollout itself failed or was cancelled: nothing to hand back
+                        raise StepSleepError(
+                            f"step {self.steps_done + 1}: the rollout finished but the engines' sleep failed: {e} (the "
+                            "step's trajectories and carry-over are on this exception; the next step finishes the "
+                            "sleep before waking)", result.trajectories, result.carry_over) from e
             t_end = time.monotonic()
+            assert result is not None
             try:
                 batch = collate(result.trajectories, pad_token_id=self.pad_token_id, pad_to=pad_to)
             except CollateError as e:

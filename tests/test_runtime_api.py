@@ -10,7 +10,9 @@ import pytest
 
 from agentloop.config import RuntimeConfig
 from agentloop.rewards import register_reward
-from agentloop.runtime import Runtime, StepCollateError
+from agentloop.engine.base import EngineError
+from agentloop.engine.lifecycle import EngineState
+from agentloop.runtime import Runtime, StepCollateError, StepSleepError
 from agentloop.types import Sample
 
 from test_scheduler_support import FakeEngine, length_reward, samples
@@ -186,3 +188,36 @@ def test_a_trajectory_runs_up_to_the_real_engines_context_and_every_turn_gets_wh
             assert len(t.prompt_ids) + len(t.response_ids) == 62
             # 4 prompt + 30 + 3 tool + 25 asked of the last turn (62 - 37) and all 25 sampled
             assert [turn.length for turn in t.turns] == [30, 25]
+
+
+class ReleaseFailsOnce(FakeEngine):
+    """Release fails once, on the sleep that ends step `fail_on_step`."""
+
+    def __init__(self, url: str, fail_on_release: int) -> None:
+        super().__init__(url)
+        self.releases = 0
+        self.fail_on_release = fail_on_release
+
+    async def release_memory_occupation(self, tags=None) -> None:
+        self.releases += 1
+        if self.releases == self.fail_on_release:
+            self.calls.append("release-failed")
+            raise EngineError("/release_memory_occupation", 500, "out of luck", url=self.url)
+        await super().release_memory_occupation(tags)
+
+
+def test_a_failed_sleep_hands_back_the_trajectories_and_the_next_step_finishes_it() -> None:
+    # release #1 is the runtime's initial sleep at start; #2 ends step 1 and fails.
+    eng = ReleaseFailsOnce("http://a", fail_on_release=2)
+    with Runtime(clients=[eng], tokenizer=TOK, tools=object(), reward_fn=length_reward) as rt:
+        with pytest.raises(StepSleepError, match="sleep failed.*release_memory_occupation") as ei:
+            rt.step_sync(samples(3, turns=2, tokens=3))
+        assert len(ei.value.trajectories) == 3 and all(t.status == "completed" for t in ei.value.trajectories)
+        assert rt.lifecycle.state is EngineState.DRAINING and rt.lifecycle.sleep_resume_at == "release"
+        eng.calls.clear()
+        for step in (2, 3):
+            res = rt.step_sync(samples(2, turns=1, tokens=4))
+            assert [t.status for t in res.trajectories] == ["completed"] * 2
+            assert rt.lifecycle.state is EngineState.SLEEPING
+        # step 2 first finished step 1's sleep (the release alone), then woke as usual
+        assert eng.calls[0] == "release" and eng.calls.count("release") == 3
