@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
-from .http_common import ENGINE_KEY, RequestValidationError, error_response, http_exception, json_body
+from .http_common import ENGINE_KEY, RequestValidationError, error_response, http_exception, json_body, unhealthy_response
 from .request import Request
 
 _LOGPROB_FIELDS = (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0))
@@ -293,11 +293,9 @@ async def _stream(request: web.Request, reqs: list[Request], watches: list[_Watc
 async def health_generate(request: web.Request) -> web.Response:
     """Like SGLang: a real one-token generate through the engine (503 while it cannot generate)."""
     engine = request.app[ENGINE_KEY]
-    if not engine.scheduler.alive:
-        return web.Response(status=503, text="engine worker thread is not running")
-    reason = engine.memory.generation_block_reason()
-    if reason is not None:
-        return web.Response(status=503, text=reason)
+    unhealthy = unhealthy_response(engine)
+    if unhealthy is not None:
+        return unhealthy
     req = engine.new_request([0], {"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_CHECK_{time.monotonic_ns()}")
     w = _Watch(asyncio.get_running_loop())
 

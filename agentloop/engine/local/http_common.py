@@ -26,6 +26,17 @@ class RequestValidationError(EngineInputError):
     """The body itself is malformed (what FastAPI's validation refuses before SGLang's handler runs)."""
 
 
+def unhealthy_response(engine: LocalEngine) -> web.Response | None:
+    """The 503 that `/health` and `/health_generate` answer while the engine cannot generate (its
+    worker thread died, or weights / KV cache are released), else None."""
+    if not engine.scheduler.alive:
+        return web.Response(status=503, text="engine worker thread is not running")
+    reason = engine.memory.generation_block_reason()
+    if reason is not None:
+        return web.Response(status=503, text=reason)
+    return None
+
+
 def error_response(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 

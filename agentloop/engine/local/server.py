@@ -23,7 +23,7 @@ from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
 from .generate_api import generate, health_generate
-from .http_common import ARGS_KEY, ENGINE_KEY, error_response, http_exception, json_body, response_for
+from .http_common import ARGS_KEY, ENGINE_KEY, error_response, http_exception, json_body, response_for, unhealthy_response
 
 log = logging.getLogger("agentloop.serve")
 
@@ -151,13 +151,8 @@ async def abort_request(request: web.Request) -> web.Response:
 
 # ---- health and info ---------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    if not engine.scheduler.alive:
-        return web.Response(status=503, text="engine worker thread is not running")
-    reason = engine.memory.generation_block_reason()
-    if reason is not None:
-        return web.Response(status=503, text=reason)
-    return web.Response(status=200)
+    unhealthy = unhealthy_response(request.app[ENGINE_KEY])
+    return unhealthy if unhealthy is not None else web.Response(status=200)
 
 
 async def model_info(request: web.Request) -> web.Response:
