@@ -3,7 +3,9 @@
 This module owns the *shape* of the configuration only: `RuntimeConfig` = `EngineConfig` (which
 engines: the embedded CPU engine, URLs of running SGLang servers, or SGLang servers to launch;
 staged or one-stage wake-up; memory tags) + `SchedulerConfig` (concurrency, GRPO group size,
-timeouts, over-sampling, partial rollout) + `AgentSettings` (mirrors `agentloop.agents.AgentConfig`).
+timeouts, over-sampling, partial rollout) + `AgentSettings` (mirrors `agentloop.agents.AgentConfig`)
++ `RayConfig` (Ray mode: cluster address, worker actors, engine placement; used by
+`agentloop.distributed.RayRuntime`, and by `agentloop rollout` when `ray.enabled`).
 Every field carries a description so the CLI can print documented defaults and embed
 `RuntimeConfig` in its YAML file; unknown keys are rejected (a typo must not be silently ignored).
 """
@@ -17,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .agents.base import AgentConfig
 from .engine.base import MEMORY_TAGS, SamplingParams
 
-__all__ = ["AgentSettings", "EngineConfig", "LaunchConfig", "RuntimeConfig", "SchedulerConfig"]
+__all__ = ["AgentSettings", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
 
 
 class _Strict(BaseModel):
@@ -184,9 +186,58 @@ class AgentSettings(_Strict):
         )
 
 
+class RayConfig(_Strict):
+    """Ray mode: where `agentloop.distributed.RayRuntime` runs its workers and engines (docs/distributed.md).
+
+    Only the shape lives here (no Ray import): the rest of the settings are the ordinary ones."""
+
+    enabled: bool = Field(
+        False,
+        description="Run on Ray: `agentloop rollout` builds a `RayRuntime` (agent-loop workers and engine servers as "
+        "Ray actors) instead of the local `Runtime`. A trainer picks Ray mode by constructing "
+        "`agentloop.distributed.RayRuntime`, which uses the rest of this section whatever `enabled` says.",
+    )
+    address: str | None = Field(
+        None,
+        description="`ray.init(address=...)`: None starts a local Ray (or joins RAY_ADDRESS), 'auto' joins the cluster "
+        "this machine belongs to (`ray start --head` ran here), 'ray://head:10001' connects from outside (Ray Client). "
+        "If the process already called `ray.init`, that session is used.",
+    )
+    init_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More `ray.init` arguments, e.g. {num_cpus: 2, include_dashboard: false} for a local Ray "
+        "(resources cannot be given when joining a running cluster).",
+    )
+    num_workers: int = Field(2, ge=1, description="Agent-loop worker actors (each runs many trajectories at once).")
+    worker_capacity: int | None = Field(
+        None, ge=1, description="Trajectories one worker runs at once (None: ceil(scheduler.concurrency / num_workers))."
+    )
+    worker_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per worker (agent loops mostly wait on HTTP).")
+    engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine server actor.")
+    engine_num_gpus: float = Field(
+        1.0, ge=0, description="GPUs per launched SGLang server (engine.launch); 0.5: two servers share a GPU."
+    )
+    engine_host: str = Field(
+        "127.0.0.1",
+        description="Address engine servers bind: 127.0.0.1 (driver, workers and engines on one machine) or 'node' "
+        "(the node's cluster IP, for workers on other machines; keep the cluster network private).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement group strategy for launched GPU servers (PACK: fill a node first; SPREAD: "
+        "different nodes)."
+    )
+    max_worker_replacements: int = Field(4, ge=0, description="Dead workers replaced by fresh actors, at most this many.")
+    max_worker_attempts: int = Field(3, ge=1, description="Workers one trajectory may be tried on before it fails.")
+    liveness_timeout: float = Field(
+        5.0, gt=0, description="Seconds a server has to answer the liveness probe before each wake-up and sleep."
+    )
+
+
 class RuntimeConfig(_Strict):
     """Everything `agentloop.runtime.Runtime` needs."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine servers and their lifecycle.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="How a step's trajectories run.")
     agent: AgentSettings = Field(default_factory=AgentSettings, description="Agent-loop settings.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray mode (agentloop.distributed.RayRuntime): cluster, "
+                           "workers, engine placement. Off unless `enabled` (or a RayRuntime is built).")

@@ -8,6 +8,8 @@ are deep-merged under whatever the file gives, so setting one nested key keeps t
 The file may also use the flags' own names at its top level (`n: 8`, `concurrency: 64`,
 `engine_url: [...]`, dashes or underscores, see `FLAG_NAMES`): they are moved to the nested field they
 stand for before validation; the same field set both ways to different values is an error.
+`ray:` is both: `ray: true` is `--ray`, and a mapping under it is the `runtime.ray` section
+(`SECTION_NAMES`), so `ray: {enabled: true, address: auto}` reads as the command line would.
 
 Errors are `ConfigError`s that name the field (dotted path) and where it came from: the file and
 line:column of the offending YAML node (from yaml's node marks), or the command-line flag.
@@ -60,7 +62,14 @@ FLAG_NAMES: dict[str, str] = {
     "max_new_tokens": "runtime.agent.max_new_tokens_per_turn",
     "temperature": "runtime.agent.temperature",
     "seed": "runtime.agent.seed",
+    "ray": "runtime.ray.enabled",
+    "ray_address": "runtime.ray.address",
+    "ray_workers": "runtime.ray.num_workers",
 }
+
+#: Top-level keys that, given a mapping, stand for a whole section instead of their flag's field:
+#: `ray: true` is `--ray`, while `ray: {address: auto, num_workers: 4}` is the `runtime.ray` section.
+SECTION_NAMES: dict[str, str] = {"ray": "runtime.ray"}
 
 
 class ConfigError(ValueError):
@@ -98,6 +107,9 @@ def resolve_flag_names(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tu
         value = out.pop(key)
         if dotted == "runtime.engine.urls" and isinstance(value, str):
             value = [value]  # `engine_url: http://...`: one URL, as `--engine-url URL` gives
+        section = SECTION_NAMES.get(key.replace("-", "_"))
+        if section is not None and isinstance(value, Mapping):
+            dotted = section
         *parents, leaf = dotted.split(".")
         cur = out
         for p in parents:
@@ -111,7 +123,15 @@ def resolve_flag_names(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tu
             cur[p] = nxt = dict(nxt)  # copied on the way down: the caller's mappings stay as they were
             cur = nxt
         else:
-            if leaf in cur and cur[leaf] != value:
+            if isinstance(value, Mapping) and isinstance(cur.get(leaf), Mapping):
+                # A section given both ways: merged key by key; one key given twice differently is a conflict.
+                merged = dict(cur[leaf])
+                for k, v in value.items():
+                    if k in merged and merged[k] != v:
+                        raise _AliasConflict(key, f"{dotted}.{k}", v, merged[k])
+                    merged[k] = v
+                value = merged
+            elif leaf in cur and cur[leaf] != value:
                 raise _AliasConflict(key, dotted, value, cur[leaf])
             cur[leaf] = value
             moved[tuple(dotted.split("."))] = key
@@ -257,7 +277,11 @@ def load_config(
     flag_of: dict[tuple[str, ...], str] = {}
     for dotted, (value, flag) in (overrides or {}).items():
         if "." not in dotted:
-            dotted = alias_field(dotted) or dotted  # `--set n=4` as `--n 4`
+            section = SECTION_NAMES.get(dotted.replace("-", "_"))
+            if section is not None and isinstance(value, Mapping):
+                dotted = section  # `--set ray={address: auto}`: the section, as in the file
+            else:
+                dotted = alias_field(dotted) or dotted  # `--set n=4` as `--n 4`
         _set_dotted(data, dotted, value)
         flag_of[tuple(dotted.split("."))] = flag
     try:

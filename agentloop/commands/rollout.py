@@ -7,7 +7,9 @@ display, summary.json and timeline.png, and a clean Ctrl-C.
 
 With no `--engine-url` it starts the embedded CPU engine with the shipped tiny tool model, and with
 no `--data` it uses the bundled arithmetic prompts, so `agentloop rollout` alone runs a real
-multi-turn tool-calling rollout of two steps.
+multi-turn tool-calling rollout of two steps. With `--ray` (`runtime.ray.enabled`) the same steps run
+through `agentloop.distributed.RayRuntime` (worker and engine actors on a local Ray or a cluster);
+outputs and progress are the same.
 
 Exit status: 0 done; 1 the engines failed (unreachable URL, a lifecycle stage failed); 2 bad
 settings or data; 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the engines left
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import signal
@@ -129,8 +132,16 @@ async def _run_steps(run: _Run) -> None:
     cfg = run.cfg
     out = Path(cfg.out)
     where = ", ".join(cfg.runtime.engine.urls) or "the embedded CPU engine"
-    run.progress.message(f"starting {where} ...")
-    runtime = run.runtime = Runtime(cfg.runtime)
+    rc = cfg.runtime.ray
+    if rc.enabled:
+        from ..distributed import RayRuntime  # Ray mode: the same step, run by worker and engine actors
+
+        run.progress.message(f"starting Ray mode ({rc.address or 'a local Ray'}; {rc.num_workers} rollout workers) "
+                             f"with {where} ...")
+        runtime = run.runtime = RayRuntime(cfg.runtime)
+    else:
+        run.progress.message(f"starting {where} ...")
+        runtime = run.runtime = Runtime(cfg.runtime)
     try:
         await runtime.start()
         assert runtime.lifecycle is not None
@@ -339,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides_from_args(args))
     except ConfigError as e:
         print(f"agentloop rollout: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if cfg.runtime.ray.enabled and importlib.util.find_spec("ray") is None:
+        print("agentloop rollout: Ray mode (--ray / runtime.ray.enabled) needs Ray: pip install 'agentloop[ray]'",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
         dataset = _load_data(cfg)

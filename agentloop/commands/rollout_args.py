@@ -52,6 +52,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "tokens per model turn"))
     p.add_argument("--temperature", type=float, metavar="T", help=h("temperature", "sampling temperature"))
     p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed"))
+    ray = p.add_argument_group("Ray mode", "workers and engines as Ray actors, on this machine or a cluster "
+                               "(docs/distributed.md); needs `pip install 'agentloop[ray]'`")
+    ray.add_argument("--ray", action="store_true", default=None,
+                     help=h("ray", "run on Ray: agent-loop worker actors and engine server actors"))
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help=h("ray_address", "Ray cluster to use: none = start a local Ray, 'auto' = the cluster this "
+                            "node joined (`ray start`), 'ray://HEAD:10001' = Ray Client from outside; implies --ray"))
+    ray.add_argument("--ray-workers", type=int, metavar="N",
+                     help=h("ray_workers", "agent-loop worker actors; implies --ray"))
     p.add_argument("--on-bad-row", choices=("skip", "stop"), help=h("on_bad_row", "what a bad dataset row does"))
     p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
                    help="set any config field by its dotted name, VALUE parsed as YAML "
@@ -78,6 +87,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         value = getattr(args, dest, None)
         if value is not None:
             out[dotted] = (value, flag)
+    for dest in ("ray_address", "ray_workers"):
+        # Typing a Ray setting on the command line means Ray mode; in a file it may wait for `ray: true`.
+        if getattr(args, dest, None) is not None and "runtime.ray.enabled" not in out:
+            out["runtime.ray.enabled"] = (True, FLAG_FIELDS[dest][1])
     if getattr(args, "quiet", None):
         out["quiet"] = (True, "--quiet")
     if getattr(args, "timeline", None) is False:

@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import time
-from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 
 from ..agents.base import AgentContext, AgentLoop
-from ..config import RuntimeConfig, SchedulerConfig
+from ..config import RayConfig, RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
@@ -49,29 +50,6 @@ from .pool import PoolEvents, WorkerPool, default_capacity
 log = logging.getLogger(__name__)
 
 __all__ = ["FanOutLifecycle", "RayConfig", "RayRuntime", "RayScheduler", "RemoteAgent"]
-
-
-class RayConfig(BaseModel):
-    """How `RayRuntime` uses the cluster (the rest of the settings are the ordinary `RuntimeConfig`)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    address: str | None = Field(None, description="`ray.init(address=...)`: None starts/uses a local Ray, 'auto' joins "
-                                "the cluster this machine belongs to, 'ray://head:10001' connects a remote driver.")
-    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="More `ray.init` arguments (e.g. num_cpus).")
-    num_workers: int = Field(2, ge=1, description="Agent-loop worker actors.")
-    worker_capacity: int | None = Field(None, ge=1, description="Trajectories one worker runs at once "
-                                        "(default: ceil(scheduler.concurrency / num_workers)).")
-    worker_num_cpus: float = Field(0.0, ge=0, description="CPUs reserved per worker (agent loops mostly wait on HTTP).")
-    engine_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per engine server actor.")
-    engine_num_gpus: float = Field(1.0, ge=0, description="GPUs per SGLang server (0.5: two servers share a GPU).")
-    engine_host: str = Field("127.0.0.1", description="Address engine servers bind: 127.0.0.1 (one machine) or "
-                             "'node' (the node's cluster IP, for workers on other machines).")
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Placement group strategy for GPU servers.")
-    max_worker_replacements: int = Field(4, ge=0, description="Dead workers replaced by fresh actors, at most this many.")
-    max_worker_attempts: int = Field(3, ge=1, description="Workers one trajectory may be tried on before it fails.")
-    liveness_timeout: float = Field(5.0, gt=0, description="Seconds a server has to answer the liveness probe.")
 
 
 class FanOutLifecycle(Lifecycle):
@@ -181,8 +159,9 @@ class RayScheduler(Scheduler):
 
 
 class RayRuntime(Runtime):
-    """`Runtime` on Ray. `async with RayRuntime(cfg, ray_config=RayConfig(...)) as rt: await rt.step(...)`.
+    """`Runtime` on Ray. `async with RayRuntime(cfg) as rt: await rt.step(...)`.
 
+    `ray_config`: the Ray settings (default: `config.ray`); given, it replaces `config.ray`.
     `tools_factory(config)` builds each worker's tools (default: the same tools as local mode);
     `reward_fn` and `interaction` are shipped to the workers, so they must be picklable (module-level).
     """
@@ -199,9 +178,13 @@ class RayRuntime(Runtime):
         reward_fn: Callable[..., Awaitable[Any]] | None = None,
         on_trajectory: Any = None,
     ) -> None:
-        super().__init__(config, clients=clients, tokenizer=tokenizer, interaction=interaction,
+        cfg = config if isinstance(config, RuntimeConfig) else RuntimeConfig.model_validate(config or {})
+        if ray_config is not None:
+            rc = ray_config if isinstance(ray_config, RayConfig) else RayConfig.model_validate(ray_config)
+            cfg = cfg.model_copy(update={"ray": rc})  # a copy: the caller's config object is left as given
+        super().__init__(cfg, clients=clients, tokenizer=tokenizer, interaction=interaction,
                          reward_fn=reward_fn, on_trajectory=on_trajectory)
-        self.ray_config = ray_config if isinstance(ray_config, RayConfig) else RayConfig.model_validate(ray_config or {})
+        self.ray_config = cfg.ray
         self.tools_factory = tools_factory
         self.pool: WorkerPool | None = None
         self.fleet: EngineFleet | None = None
@@ -213,7 +196,7 @@ class RayRuntime(Runtime):
             return self
         rc = self.ray_config
         if not ray.is_initialized():
-            ray.init(address=rc.address, **rc.init_kwargs)
+            _init_ray(rc)
             self._owns_ray = True
         await super().start()  # engines (as actors, below), tokenizer, one lifecycle; engines put to sleep
         try:
@@ -344,3 +327,16 @@ class RayRuntime(Runtime):
     async def engine_info(self) -> list[dict[str, Any]]:
         """Where each engine server actor runs (node, GPUs, pid); empty when attached by URL."""
         return await self.fleet.info() if self.fleet is not None else []
+
+
+def _init_ray(rc: RayConfig) -> None:
+    """`ray.init`, keeping the process's own SIGTERM handler.
+
+    `ray.init` sets SIGTERM to `sys.exit` in the main thread. A handler the process installed itself
+    (a trainer's, or an event loop's signal receiver, like `agentloop rollout`'s graceful stop that
+    aborts requests and writes partial trajectories) is put back; the default one stays Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(address=rc.address, **rc.init_kwargs)
+    if main and callable(before):
+        signal.signal(signal.SIGTERM, before)
