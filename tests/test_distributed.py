@@ -23,8 +23,11 @@ The `replay` agent loop drives a tiny random model (turn structure from the samp
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,12 +38,16 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerGate  # noqa: E402
+from agentloop.config import RuntimeConfig  # noqa: E402
+from agentloop.data import arithmetic_prompts  # noqa: E402
+from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerGate, WorkerStartError  # noqa: E402
 from agentloop.engine.base import EngineError, GenerateOutput, SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import EngineState, LifecycleError  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
 from agentloop.models.random_model import make_random_model  # noqa: E402
 from agentloop.runtime import Runtime, StepResult  # noqa: E402
+from agentloop.tools.builtin import CalculatorTool  # noqa: E402
+from agentloop.tools.registry import ToolRegistry  # noqa: E402
 from agentloop.types import Sample, Trajectory  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -197,6 +204,73 @@ def test_fleet_that_does_not_fit_says_why(ray_session: None, model_dir: Path) ->
             await fleet.stop()
 
     anyio.run(go)
+
+
+# ---------------------------------------------------------------------- RayRuntime's arguments
+class MarkedCalculator(CalculatorTool):
+    """The calculator with its results marked: shows whose registry a worker's tool loop called."""
+
+    async def execute(self, arguments: dict[str, Any], context: Any) -> str:
+        return "marked " + await super().execute(arguments, context)
+
+
+class LockedTool(CalculatorTool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()  # cannot be pickled: such a registry cannot go to other processes
+
+
+def test_ray_runtime_takes_every_runtime_argument(tmp_path: Path) -> None:
+    local = inspect.signature(Runtime.__init__).parameters
+    ray_mode = inspect.signature(RayRuntime.__init__).parameters
+    assert set(local) <= set(ray_mode)
+    assert all(ray_mode[k].kind == local[k].kind and ray_mode[k].default == local[k].default for k in local)
+    with pytest.raises(TypeError, match=r"RayRuntime\(tools=...\): this ToolRegistry cannot be sent to the Ray workers.*"
+                       r"lock.*tools_factory"):
+        RayRuntime(tools=ToolRegistry([LockedTool()]))
+    with pytest.raises(TypeError, match=r"RayRuntime\(reward_fn=...\)"):
+        RayRuntime(reward_fn=threading.Lock())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not both"):
+        RayRuntime(tools=ToolRegistry([]), tools_factory=lambda cfg: ToolRegistry([]))
+    with pytest.raises(FileNotFoundError, match="no such tools YAML file"):
+        RayRuntime(tools=tmp_path / "missing.yaml")
+    # A tools YAML path is every worker's (and the driver's) `agent.tools`; the caller's config is untouched.
+    yml = tmp_path / "tools.yaml"
+    yml.write_text("tools:\n  - class_name: agentloop.tools.builtin.CalculatorTool\n")
+    cfg = RuntimeConfig()
+    rt = RayRuntime(cfg, tools=str(yml), ray_config={"num_workers": 3})
+    assert rt.config.agent.tools == str(yml.resolve()) and rt.tools is None and cfg.agent.tools is None
+    assert rt.ray_config.num_workers == 3 and rt.config.ray.num_workers == 3 and cfg.ray.num_workers == 2
+    assert RayRuntime({"ray": {"num_workers": 4}}).ray_config.num_workers == 4  # default: the config's `ray` section
+
+
+def test_tools_given_to_ray_runtime_run_on_the_workers(ray_session: None) -> None:
+    # The shipped tiny tool model, greedy, on arithmetic prompts: it calls `calculator`, which the
+    # workers must run from the registry given to the driver (each worker unpickles its own copy).
+    rows = [json.loads(line) for line in arithmetic_prompts().read_text().splitlines()[:3]]
+    cfg = {"engine": {"local_args": ENGINE_ARGS}, "scheduler": {"n": 1},
+           "agent": {"temperature": 0.0, "max_new_tokens_per_turn": 48, "max_assistant_turns": 3}}
+    module = sys.modules[__name__]
+    # The workers cannot import this test module: a worker that cannot unpickle the tools says so.
+    failing = RayRuntime(cfg, tools=ToolRegistry([MarkedCalculator()]), ray_config={"num_workers": 1, "engine_num_cpus": 0})
+    try:
+        with pytest.raises(WorkerStartError, match=r"rollout worker 0 could not be built: .*No module named "
+                           r"'test_distributed'.*importable on every node"):
+            failing.start_sync()
+        assert failing.processes == [] and failing.pool is None  # what it had started is stopped
+    finally:
+        failing.stop_sync()
+    # What a user does for such a module: send its classes by value.
+    ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        with RayRuntime(cfg, tools=ToolRegistry([MarkedCalculator()]),
+                        ray_config={"num_workers": 1, "engine_num_cpus": 0}) as rt:
+            res = rt.step_sync(rows)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(module)
+    results = [m["content"] for t in res.trajectories for m in t.messages if m["role"] == "tool"]
+    assert results and all(c.startswith("marked ") for c in results), results
+    assert {t.extra["worker"] for t in res.trajectories} == {0}
 
 
 # ---------------------------------------------------------------------- Ray mode on CPU

@@ -28,18 +28,23 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..engine.router import RouteSession
+from ..runtime import RuntimeError_
 from ..types import Sample, Trajectory
 from .worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoWorkerError", "WorkerPool"]
+__all__ = ["NoWorkerError", "WorkerPool", "WorkerStartError"]
 
 RolloutWorkerActor = ray.remote(RolloutWorker)
 
 
 class NoWorkerError(RuntimeError):
     """Every rollout worker is dead and no replacement may be started."""
+
+
+class WorkerStartError(RuntimeError_):
+    """A rollout worker actor could not be built (its constructor failed on the worker)."""
 
 
 @dataclass
@@ -102,10 +107,20 @@ class WorkerPool:
         return w
 
     async def ready(self, timeout: float = 300.0) -> None:
-        """Wait until every worker has built its tokenizer, tools and scheduler."""
+        """Wait until every worker has built its tokenizer, tools and scheduler.
+
+        A worker that cannot be built raises `WorkerStartError` saying why (its last error line)."""
         with anyio.fail_after(timeout):
             for w in list(self.workers.values()):
-                await w.handle.ready.remote()
+                try:
+                    await w.handle.ready.remote()
+                except RayActorError as e:
+                    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                    raise WorkerStartError(
+                        f"rollout worker {w.index} could not be built: {lines[-1] if lines else type(e).__name__}. "
+                        "What RayRuntime sends to workers (tools, tools_factory, reward_fn, interaction) is unpickled "
+                        "there: the modules defining them must be importable on every node (an installed package, "
+                        "ray.init runtime_env, or ray.cloudpickle.register_pickle_by_value(module))") from None
 
     @property
     def handles(self) -> dict[int, Any]:

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import ray
+from ray import cloudpickle
 
 from ..agents.base import AgentContext, AgentLoop
 from ..config import RayConfig, RuntimeConfig, SchedulerConfig
@@ -161,31 +164,58 @@ class RayScheduler(Scheduler):
 class RayRuntime(Runtime):
     """`Runtime` on Ray. `async with RayRuntime(cfg) as rt: await rt.step(...)`.
 
-    `ray_config`: the Ray settings (default: `config.ray`); given, it replaces `config.ray`.
-    `tools_factory(config)` builds each worker's tools (default: the same tools as local mode);
-    `reward_fn` and `interaction` are shipped to the workers, so they must be picklable (module-level).
+    Takes every argument `Runtime` takes, with the same meaning; what the workers need is sent to
+    them (they are other processes, possibly on other machines), so it must be picklable by Ray
+    (cloudpickle: module-level functions and classes, plain data; no locks, sockets or open files):
+
+    - `tools`: a `ToolRegistry` (each worker gets its own copy, built from the pickled registry), or the
+      path of a tools YAML file (sets `agent.tools`: every worker loads it; the path must exist on
+      every node). Or `tools_factory(config) -> ToolRegistry`, called once in each worker, for tools
+      that cannot be pickled. Neither: the tools of `agent.tools` / the built-in ones, as in local mode.
+    - `reward_fn`, `interaction`: shipped to every worker. `tokenizer`: sent once through the object store.
+    - `clients`: the driver's clients of running servers; workers connect to the same URLs.
+    - `ray_config`: the Ray settings (default: `config.ray`); given, it replaces `config.ray`.
+    Anything that cannot be sent raises TypeError here, naming the argument, before anything starts.
     """
 
     def __init__(
         self,
         config: RuntimeConfig | Mapping[str, Any] | None = None,
         *,
-        ray_config: RayConfig | Mapping[str, Any] | None = None,
         clients: Sequence[EngineClient] | None = None,
         tokenizer: Any = None,
-        tools_factory: Callable[[RuntimeConfig], Any] | None = None,
+        tools: Any = None,
         interaction: Any = None,
         reward_fn: Callable[..., Awaitable[Any]] | None = None,
         on_trajectory: Any = None,
+        ray_config: RayConfig | Mapping[str, Any] | None = None,
+        tools_factory: Callable[[RuntimeConfig], Any] | None = None,
     ) -> None:
         cfg = config if isinstance(config, RuntimeConfig) else RuntimeConfig.model_validate(config or {})
         if ray_config is not None:
             rc = ray_config if isinstance(ray_config, RayConfig) else RayConfig.model_validate(ray_config)
             cfg = cfg.model_copy(update={"ray": rc})  # a copy: the caller's config object is left as given
-        super().__init__(cfg, clients=clients, tokenizer=tokenizer, interaction=interaction,
+        if tools is not None and tools_factory is not None:
+            raise TypeError("RayRuntime: give `tools` or `tools_factory`, not both")
+        if isinstance(tools, (str, os.PathLike)):
+            path = Path(tools)
+            if not path.is_file():
+                raise FileNotFoundError(f"RayRuntime(tools={str(tools)!r}): no such tools YAML file")
+            cfg = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"tools": str(path.resolve())})})
+            tools = None
+        for name, value, hint in (
+            ("tools", tools, "pass tools_factory=<module-level function building the registry> or a tools YAML path"),
+            ("tools_factory", tools_factory, "use a module-level function"),
+            ("reward_fn", reward_fn, "use a module-level function"),
+            ("interaction", interaction, "use an object of a module-level class holding plain data"),
+        ):
+            _check_shippable(name, value, hint)
+        super().__init__(cfg, clients=clients, tokenizer=tokenizer, tools=tools, interaction=interaction,
                          reward_fn=reward_fn, on_trajectory=on_trajectory)
         self.ray_config = cfg.ray
         self.tools_factory = tools_factory
+        #: The caller's registry, sent to the workers (None: each worker builds its tools itself).
+        self._given_tools = tools
         self.pool: WorkerPool | None = None
         self.fleet: EngineFleet | None = None
         self._owns_ray = False
@@ -211,11 +241,13 @@ class RayRuntime(Runtime):
         rc, cfg = self.ray_config, self.config
         scfg, ecfg = cfg.scheduler, cfg.engine
         tokenizer_ref = ray.put(self.tokenizer)
+        tools_ref = ray.put(self._given_tools) if self._given_tools is not None else None
         cfg_json = cfg.model_dump(mode="json")
 
         def make_args(index: int) -> tuple[Any, ...]:
             urls = self.lifecycle.urls if self.lifecycle is not None else [c.url for c in self.clients]
-            return (index, cfg_json, list(urls), tokenizer_ref, self.tools_factory, self.reward_fn, self.interaction)
+            return (index, cfg_json, list(urls), tokenizer_ref, self.tools_factory, self.reward_fn, self.interaction,
+                    tools_ref)
 
         self.pool = WorkerPool(
             num_workers=rc.num_workers,
@@ -327,6 +359,17 @@ class RayRuntime(Runtime):
     async def engine_info(self) -> list[dict[str, Any]]:
         """Where each engine server actor runs (node, GPUs, pid); empty when attached by URL."""
         return await self.fleet.info() if self.fleet is not None else []
+
+
+def _check_shippable(name: str, value: Any, hint: str) -> None:
+    """Raise TypeError naming `name` if Ray cannot send `value` to the workers (it uses cloudpickle)."""
+    if value is None:
+        return
+    try:
+        cloudpickle.dumps(value)
+    except Exception as e:
+        raise TypeError(f"RayRuntime({name}=...): this {type(value).__name__} cannot be sent to the Ray workers, "
+                        f"which are separate processes ({type(e).__name__}: {e}); {hint}") from None
 
 
 def _init_ray(rc: RayConfig) -> None:

@@ -13,7 +13,9 @@ This module owns what happens inside one worker process:
   and which can stop one trajectory by uid (the driver's early stop or a sleep mid-step).
 - `RolloutWorker`: the actor. `run(job, url, cfg)` runs one trajectory through `Scheduler.run` (agent
   loop, timeouts, failure isolation, reward) and returns it; many `run` calls are in flight at once
-  on the actor's event loop. Tools, tokenizer and agents are built once per worker.
+  on the actor's event loop. Tools, tokenizer and agents are built once per worker (tools: the
+  registry the driver's caller gave, unpickled here as this worker's own copy; else `tools_factory`;
+  else `agent.tools` / the built-in ones).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class RolloutWorker:
         tools_factory: Callable[[RuntimeConfig], Any] | None = None,
         reward_fn: Callable[..., Any] | None = None,
         interaction: Any = None,
+        tools: Any = None,
     ) -> None:
         from ..runtime import Runtime
 
@@ -156,7 +159,8 @@ class RolloutWorker:
             request_timeout=ecfg.request_timeout,
             clock=time.time,  # wall clock: timelines from workers on different machines line up
         )
-        tools = tools_factory(self.config) if tools_factory is not None else local._load_tools()
+        if tools is None:  # the driver's caller gave no registry: build this worker's own
+            tools = tools_factory(self.config) if tools_factory is not None else local._load_tools()
         self.scheduler = Scheduler(
             self.router,
             tokenizer=tokenizer,
