@@ -200,8 +200,9 @@ class RayConfig(_Strict):
     address: str | None = Field(
         None,
         description="`ray.init(address=...)`: None starts a local Ray (or joins RAY_ADDRESS), 'auto' joins the cluster "
-        "this machine belongs to (`ray start --head` ran here), 'ray://head:10001' connects from outside (Ray Client). "
-        "If the process already called `ray.init`, that session is used.",
+        "this machine belongs to (`ray start` ran here), 'ray://head:10001' connects from outside (Ray Client). "
+        "If the process already called `ray.init`, that session is used. The --ray-address flag also turns "
+        "`enabled` on; in a file, set `enabled` too.",
     )
     init_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -244,6 +244,33 @@ def test_ray_runtime_takes_every_runtime_argument(tmp_path: Path) -> None:
     assert RayRuntime({"ray": {"num_workers": 4}}).ray_config.num_workers == 4  # default: the config's `ray` section
 
 
+def test_ray_init_keeps_the_process_sigterm_handler_and_names_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentloop.config import RayConfig
+    from agentloop.distributed import runtime as ray_runtime
+    from agentloop.runtime import RuntimeError_
+
+    def like_ray_init(address: str | None = None, **kwargs: Any) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does
+
+    def no_cluster(address: str | None = None, **kwargs: Any) -> None:
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        monkeypatch.setattr(ray_runtime.ray, "init", like_ray_init)
+        ray_runtime._init_ray(RayConfig())
+        assert signal.getsignal(signal.SIGTERM) is mine  # the process's own handler is back
+        monkeypatch.setattr(ray_runtime.ray, "init", no_cluster)
+        with pytest.raises(RuntimeError_, match=r"cannot start or join Ray \(ray.address='auto', ray.init_kwargs="
+                           r"\{'num_cpus': 2\}\): ConnectionError: Could not find"):
+            ray_runtime._init_ray(RayConfig(address="auto", init_kwargs={"num_cpus": 2}))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_tools_given_to_ray_runtime_run_on_the_workers(ray_session: None) -> None:
     # The shipped tiny tool model, greedy, on arithmetic prompts: it calls `calculator`, which the
     # workers must run from the registry given to the driver (each worker unpickles its own copy).

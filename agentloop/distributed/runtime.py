@@ -44,7 +44,7 @@ from ..config import RayConfig, RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
-from ..runtime import Runtime, StepResult
+from ..runtime import Runtime, RuntimeError_, StepResult
 from ..scheduler import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
@@ -380,6 +380,10 @@ def _init_ray(rc: RayConfig) -> None:
     aborts requests and writes partial trajectories) is put back; the default one stays Ray's."""
     main = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main else None
-    ray.init(address=rc.address, **rc.init_kwargs)
+    try:
+        ray.init(address=rc.address, **rc.init_kwargs)
+    except Exception as e:  # no cluster at the address, arguments Ray refuses, ...: say which settings
+        raise RuntimeError_(f"cannot start or join Ray (ray.address={rc.address!r}, ray.init_kwargs={rc.init_kwargs}): "
+                            f"{type(e).__name__}: {e}") from e
     if main and callable(before):
         signal.signal(signal.SIGTERM, before)
