@@ -106,6 +106,9 @@ class Runtime:
     """Owns or attaches engines and runs steps. Use as `async with Runtime(cfg) as rt: await rt.step(...)`
     or, from synchronous code, `with Runtime(cfg) as rt: rt.step_sync(...)`."""
 
+    #: Whether this class honours `config.ray` (RayRuntime); a plain Runtime refuses a Ray config.
+    runs_on_ray = False
+
     def __init__(
         self,
         config: RuntimeConfig | Mapping[str, Any] | None = None,
@@ -118,6 +121,9 @@ class Runtime:
         on_trajectory: OnTrajectory | None = None,
     ) -> None:
         self.config = config if isinstance(config, RuntimeConfig) else RuntimeConfig.model_validate(config or {})
+        if self.config.ray.enabled and not self.runs_on_ray:
+            raise ValueError("config ray.enabled is true but Runtime runs in this process: use "
+                             "agentloop.distributed.RayRuntime (same arguments, same step) for Ray mode")
         self._given_clients = list(clients) if clients is not None else None
         self.tokenizer = tokenizer
         self.tools = tools

@@ -221,3 +221,8 @@ def test_a_failed_sleep_hands_back_the_trajectories_and_the_next_step_finishes_i
             assert rt.lifecycle.state is EngineState.SLEEPING
         # step 2 first finished step 1's sleep (the release alone), then woke as usual
         assert eng.calls[0] == "release" and eng.calls.count("release") == 3
+
+
+def test_a_ray_config_is_refused_by_the_in_process_runtime() -> None:
+    with pytest.raises(ValueError, match="ray.enabled is true.*RayRuntime"):
+        Runtime({"ray": {"enabled": True}}, clients=[FakeEngine("http://a")], tokenizer=TOK, tools=object())

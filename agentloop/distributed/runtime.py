@@ -178,6 +178,8 @@ class RayRuntime(Runtime):
     Anything that cannot be sent raises TypeError here, naming the argument, before anything starts.
     """
 
+    runs_on_ray = True
+
     def __init__(
         self,
         config: RuntimeConfig | Mapping[str, Any] | None = None,

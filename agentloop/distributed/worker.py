@@ -145,7 +145,9 @@ class RolloutWorker:
         self.index = index
         self.config = RuntimeConfig.model_validate(config)
         ecfg, scfg = self.config.engine, self.config.scheduler
-        local = Runtime(self.config)  # not started: only its client and default-tools recipes are used
+        # Not started: only its client and default-tools recipes are used. This worker is the in-process
+        # side of Ray mode, so the recipe object is built without the Ray section.
+        local = Runtime(self.config.model_copy(update={"ray": self.config.ray.model_copy(update={"enabled": False})}))
         self.clients = [local._client(u) for u in urls]
         #: Wall-clock time of each recent generate dispatch (for checks against the driver's AWAKE windows).
         self.dispatch_times: deque[float] = deque(maxlen=100_000)
