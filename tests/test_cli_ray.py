@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ import pytest
 from agentloop.commands.rollout_args import add_parser, overrides_from_args
 from agentloop.data import arithmetic_prompts
 from agentloop.rollout_config import ConfigError, defaults_yaml, load_config
-from test_cli_rollout import check_outputs, rollout_cmd, run_rollout
+from test_cli_rollout import check_outputs, rollout_cmd, run_rollout, signal_mid_step
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -130,27 +127,11 @@ def test_sigterm_stops_a_ray_run_cleanly(tmp_path: Path) -> None:
     # still aborts in flight, puts the engines to sleep and writes the partial trajectories.
     pytest.importorskip("ray")
     out = tmp_path / "out"
-    proc = subprocess.Popen(
+    rc, seen, stdout, stderr = signal_mid_step(
         rollout_cmd("--ray", "--steps", "5", "--out", str(out), "--prompts-per-step", "8", "--n", "2", "--quiet",
                     "--max-new-tokens", "64", "--set", "runtime.ray.init_kwargs={num_cpus: 2, include_dashboard: false}"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stderr is not None
-    try:
-        seen = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until trajectories are finishing (mid-step)
-            line = proc.stderr.readline()
-            seen.append(line)
-            if " done, " in line or not line:
-                break
-        assert any(" done, " in s for s in seen), "".join(seen)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, "".join(seen) + stderr
+        signal.SIGTERM)
+    assert rc == 130, seen + stderr
     assert "SIGTERM: stopping" in stderr and "interrupted:" in stdout
     steps = len(json.loads((out / "summary.json").read_text())["per_step"])
     assert 1 <= steps < 5

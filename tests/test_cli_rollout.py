@@ -171,31 +171,36 @@ def test_engine_urls_drives_running_servers(tmp_path: Path, two_engines: list[st
         assert _health(url) == 503
 
 
-def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
-    out = tmp_path / "out"
-    url = two_engines[0]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        rollout_cmd("--engine-url", url, "--out", str(out), "--prompts-per-step", "16", "--n", "2", "--steps", "5",
-                    "--quiet", "--max-new-tokens", "64", "--concurrency", "8"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+def signal_mid_step(cmd: list[str], sig: int, *, stop_timeout: float = 90) -> tuple[int, str, str, str]:
+    """Run a rollout command, send `sig` once trajectories are finishing (mid-step), and return
+    (exit code, the stderr seen before the signal, stdout, the rest of stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stderr is not None
     try:
         seen = []
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until trajectories are finishing (mid-step)
+        while time.monotonic() < deadline:
             line = proc.stderr.readline()
             seen.append(line)
             if " done, " in line or not line:
                 break
         assert any(" done, " in s for s in seen), "".join(seen)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=stop_timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, "".join(seen) + stderr
+    return proc.returncode, "".join(seen), stdout, stderr
+
+
+def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
+    out = tmp_path / "out"
+    url = two_engines[0]
+    rc, seen, stdout, stderr = signal_mid_step(
+        rollout_cmd("--engine-url", url, "--out", str(out), "--prompts-per-step", "16", "--n", "2", "--steps", "5",
+                    "--quiet", "--max-new-tokens", "64", "--concurrency", "8"), signal.SIGINT)
+    assert rc == 130, seen + stderr
     assert "SIGINT: stopping" in stderr and "interrupted:" in stdout
     # The run stopped inside a step (signals are handled only while a step awaits the engines).
     steps = len(json.loads((out / "summary.json").read_text())["per_step"])
