@@ -87,6 +87,10 @@ def run_script(path: Path, argv: list[str]) -> int:
     """Run `path` as `python path ARGV...` would, in this process: `__main__`, argv, its folder first on
     sys.path. Its exit status is returned (a SystemExit message goes to stderr, status 1, as Python does)."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    # Its sibling modules (`_common`, ...) must be the ones of *its* folder: a same-named module
+    # already imported in this process (another benchmarks folder) is set aside and put back after.
+    siblings = {p.stem for p in path.parent.glob("*.py")}
+    saved_modules = {n: sys.modules.pop(n) for n in siblings if n in sys.modules}
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.parent))
     try:
@@ -98,6 +102,9 @@ def run_script(path: Path, argv: list[str]) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        for n in siblings:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved_modules)
     return 0
 
 
