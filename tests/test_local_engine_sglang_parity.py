@@ -82,6 +82,22 @@ async def test_n_expands_to_n_outputs(local_engine: str) -> None:
     assert len(set(rids)) == 3 and all(r.startswith("par_") for r in rids)
 
 
+async def test_the_rid_of_an_n_request_aborts_all_its_samples(local_engine: str) -> None:
+    # tokenizer_manager.abort_request: a logical rid with parallel_sample_num > 1 aborts every child
+    task = asyncio.create_task(call(local_engine, "/generate", {
+        "input_ids": PROMPT, "rid": "many", "sampling_params": {"max_new_tokens": 3000, "n": 3, **GREEDY}}))
+    try:
+        await wait_running(local_engine, 3)
+        status, _, _ = await call(local_engine, "/abort_request", {"rid": "many"})
+        assert status == 200
+        status, out, _ = await asyncio.wait_for(task, 30)
+    finally:
+        task.cancel()
+    assert status == 200 and len(out) == 3
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out)
+    assert all(len(o["output_ids"]) < 3000 for o in out)
+
+
 async def test_meta_info_and_sent_timestamp(local_engine: str) -> None:
     # tokenizer_manager: response_sent_to_client_ts on the first response sent for a request only
     before = time.time()

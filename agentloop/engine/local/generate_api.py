@@ -102,8 +102,9 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
         logical = rids[i]
         if logical is not None and not isinstance(logical, str):
             raise EngineInputError("The rid should be a string or a list of strings.")
+        parent = None if n == 1 else (logical or uuid.uuid4().hex)
         for _ in range(n):
-            rid = logical if n == 1 else f"{logical or uuid.uuid4().hex}_{uuid.uuid4().hex}"
+            rid = logical if parent is None else f"{parent}_{uuid.uuid4().hex}"
             reqs.append(engine.new_request(
                 item,
                 sp[i] if isinstance(sp, list) else sp,
@@ -113,6 +114,7 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
                 top_logprobs_num=per_item["top_logprobs_num"][i],
                 where=f"input_ids[{i}]" if batch else "input_ids",
             ))
+            reqs[-1].parent_rid = parent
     got = [r.rid for r in reqs]
     if len(set(got)) != len(got):
         raise EngineInputError(f"rids in one batch must be unique, got {got}")

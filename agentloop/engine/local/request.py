@@ -27,6 +27,9 @@ class Request:
     input_ids: list[int]
     sampling: RequestSampling
     generator: torch.Generator
+    #: With `n > 1` each sample is its own request `f"{rid}_{uuid}"`; the rid the client gave (its
+    #: logical rid) aborts them all, as SGLang's `logical_rid_to_child_rids` does.
+    parent_rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

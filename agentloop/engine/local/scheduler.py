@@ -153,8 +153,10 @@ class Scheduler:
         return None
 
     def abort(self, rid: str | None = None, message: str = "Aborted") -> int:
-        """Abort one request by rid, or all when rid is None. Returns how many were aborted."""
-        victims = [r for r in (*self.running, *self.waiting, *self.held) if rid is None or r.rid == rid]
+        """Abort one request by rid (or the samples of an `n > 1` request by its rid), or all when rid
+        is None. Returns how many were aborted."""
+        victims = [r for r in (*self.running, *self.waiting, *self.held)
+                   if rid is None or r.rid == rid or (r.parent_rid is not None and r.parent_rid == rid)]
         for r in victims:
             # SGLang's abort reason carries status_code/err_type (null for a plain abort).
             self._finish(r, {"type": "abort", "message": message, "status_code": None, "err_type": None})
