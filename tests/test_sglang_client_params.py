@@ -110,7 +110,8 @@ def test_serve_port_zero_logs_the_bound_port_and_accepts_model_path(random_model
 
 async def test_flush_cache_timeout_waits_on_the_server(local_engine: str) -> None:
     async with SGLangClient(local_engine) as client:
-        task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}))
+        # 1500 tokens: still running when the first flush arrives, however fast the machine
+        task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}))
         for _ in range(500):
             if (await client.server_info())["internal_states"][0]["num_running"]:
                 break
@@ -119,4 +120,4 @@ async def test_flush_cache_timeout_waits_on_the_server(local_engine: str) -> Non
         assert await client.flush_cache(timeout=30) is True  # the server waited for idle
         state = (await client.server_info())["internal_states"][0]
         assert state["num_running"] == 0 and state["num_waiting"] == 0
-        assert len((await asyncio.wait_for(task, 10)).output_ids) == 400
+        assert len((await asyncio.wait_for(task, 30)).output_ids) == 1500
