@@ -22,7 +22,7 @@ exactly the released ones are resumed or released.
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import itertools
 import logging
 import time
@@ -33,89 +33,11 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import anyio
 
 from .base import MEMORY_TAGS, EngineClient, EngineError, GenerateOutput, SamplingParams
+from .lifecycle_types import SLEEP_STAGES, EngineState, LifecycleError, StageRecord, Weights, same_weights
+
+__all__ = ["SLEEP_STAGES", "EngineState", "Lifecycle", "LifecycleError", "StageRecord", "Weights"]
 
 log = logging.getLogger(__name__)
-
-
-SLEEP_STAGES: tuple[str, ...] = ("pause", "settle", "continue", "flush_cache", "release")
-"""The sleep stages in order (stage names in `LifecycleError.stage` and `StageRecord.stage`)."""
-
-
-class EngineState(str, enum.Enum):
-    SLEEPING = "SLEEPING"
-    WEIGHTS_RESUMED = "WEIGHTS_RESUMED"
-    WEIGHTS_LOADED = "WEIGHTS_LOADED"
-    AWAKE = "AWAKE"
-    DRAINING = "DRAINING"
-
-
-class LifecycleError(RuntimeError):
-    """A lifecycle stage failed (or was asked for out of order). Names the stage and the server."""
-
-    def __init__(self, stage: str, message: str, *, url: str = "", cause: BaseException | None = None):
-        self.stage = stage
-        self.url = url
-        where = f" on {url}" if url else ""
-        super().__init__(f"lifecycle stage '{stage}'{where} failed: {message}")
-        if cause is not None:
-            self.__cause__ = cause
-
-
-@dataclass
-class Weights:
-    """What to load at wake-up: a state dict (name → tensor), a folder/file on disk, or nothing."""
-
-    state_dict: Mapping[str, Any] | None = None
-    path: str | None = None
-    version: str | None = None
-    load_format: str | None = None
-
-    @classmethod
-    def coerce(cls, weights: "Weights | Mapping[str, Any] | str | Path | None") -> "Weights | None":
-        if weights is None or isinstance(weights, Weights):
-            return weights
-        if isinstance(weights, (str, Path)):
-            return cls(path=str(weights))
-        if isinstance(weights, Mapping):
-            return cls(state_dict=weights)
-        raise TypeError(f"weights must be a state dict, a path, Weights or None; got {type(weights).__name__}")
-
-
-def _same_weights(a: Weights | None, b: Weights | None) -> bool:
-    """Whether two wake-up requests ask for the same weights.
-
-    `Weights.coerce` wraps a state dict or a path in a fresh `Weights` on every call, so identity of
-    the wrappers says nothing: the same state dict object (`is`: equal tensors cannot be compared
-    cheaply, and a trainer passes the one dict it built) or the same path is the same request. An
-    explicit `version` different from the other's is a new request (the way to force a reload of a
-    path or of a dict updated in place).
-    """
-    if a is b:
-        return True
-    if a is None or b is None:
-        return False
-    if a.version is not None and a.version != b.version:
-        return False
-    if a.load_format != b.load_format:
-        return False
-    if a.state_dict is not None or b.state_dict is not None:
-        return a.state_dict is b.state_dict
-    return a.path is not None and b.path is not None and Path(a.path) == Path(b.path)
-
-
-@dataclass
-class StageRecord:
-    """Timing of one lifecycle stage (across all engines), for summaries and the timeline."""
-
-    phase: str  # "wake_up" | "sleep"
-    stage: str
-    start: float
-    end: float
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
 
 
 @dataclass
@@ -222,7 +144,7 @@ class Lifecycle:
     # ------------------------------------------------------------------ gate
     async def wait_awake(self, timeout: float | None = None) -> None:
         """Block until the engines are AWAKE (the gate)."""
-        with anyio.fail_after(timeout) if timeout else _nullcontext():
+        with anyio.fail_after(timeout) if timeout else contextlib.nullcontext():
             while self._state is not EngineState.AWAKE:
                 await self._awake_event.wait()
 
@@ -285,14 +207,14 @@ class Lifecycle:
         """
         w = Weights.coerce(weights)
         joining = self._waking
-        if joining is not None and (w is None or _same_weights(w, joining[0])):
+        if joining is not None and (w is None or same_weights(w, joining[0])):
             await joining[1].wait()
             if joining[2]:
                 raise joining[2][0]
             return self.weight_version
         async with self._transition_lock:
             if self._state is EngineState.AWAKE:
-                already = w is None or _same_weights(w, self._last_weights) or (
+                already = w is None or same_weights(w, self._last_weights) or (
                     w.version is not None and w.version == self.weight_version)
                 if w is not None and not already:
                     version = self._next_version(w)
@@ -456,11 +378,3 @@ class Lifecycle:
                 tg.start_soon(one, s)
         if errors:
             raise errors[0]
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
