@@ -76,19 +76,17 @@ def test_the_file_says_what_the_command_line_says(tmp_path: Path) -> None:
     assert rc.address == "auto"
 
 
-def test_bad_ray_settings_name_the_field_and_the_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text, pattern", [
+    ("steps: 1\nray:\n  enabled: true\n  num_wrokers: 2\n", r"{f}:4:3: ray \(runtime\.ray\.num_wrokers\): unknown field"),
+    ("ray:\n  placement_strategy: FILL\n", r"{f}:2:23: ray \(runtime\.ray\.placement_strategy\): Input should be"),
+    ("ray: {num_workers: 2}\nruntime:\n  ray: {num_workers: 3}\n",
+     r"ray: sets runtime\.ray\.num_workers, which is also given .*\(2 vs 3\)"),
+    ("ray: yes please\n", r"{f}:1:6: ray \(runtime\.ray\.enabled\): Input should be a valid boolean"),
+])
+def test_bad_ray_settings_name_the_field_and_the_line(tmp_path: Path, text: str, pattern: str) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text("steps: 1\nray:\n  enabled: true\n  num_wrokers: 2\n")
-    with pytest.raises(ConfigError, match=rf"{f}:4:3: ray \(runtime\.ray\.num_wrokers\): unknown field"):
-        load_config(f)
-    f.write_text("ray:\n  placement_strategy: FILL\n")
-    with pytest.raises(ConfigError, match=rf"{f}:2:23: ray \(runtime\.ray\.placement_strategy\): Input should be"):
-        load_config(f)
-    f.write_text("ray: {num_workers: 2}\nruntime:\n  ray: {num_workers: 3}\n")
-    with pytest.raises(ConfigError, match=r"ray: sets runtime\.ray\.num_workers, which is also given .*\(2 vs 3\)"):
-        load_config(f)
-    f.write_text("ray: yes please\n")
-    with pytest.raises(ConfigError, match=rf"{f}:1:6: ray \(runtime\.ray\.enabled\): Input should be a valid boolean"):
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=pattern.format(f=f)):
         load_config(f)
 
 
