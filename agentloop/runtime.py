@@ -2,9 +2,10 @@
 
 This module owns the engines' lifetime and the step sequence, nothing else:
 
-- **Engines**: the embedded CPU engine by default (`agentloop serve` subprocesses running the shipped
-  tiny tool model, driven by `SGLangClient`), URLs of running SGLang servers, servers launched through
-  `agentloop.engine.launch`, or `EngineClient` objects handed in. One `Lifecycle` over all of them.
+- **Engines**: the embedded CPU engine by default, URLs of running SGLang servers, servers launched
+  through `agentloop.engine.launch`, or `EngineClient` objects handed in. *How* each is obtained
+  (processes, clients, tokenizer, the engines' context length) is `agentloop.engine_setup`; this
+  module picks the mode, owns what was started, and puts one `Lifecycle` over all of them.
   At `start()` the engines are put to sleep, so every step begins SLEEPING and wakes in stages (a
   trainer colocated on the GPU needs that memory between steps).
 - **Per-runtime state built once**: tokenizer (the model folder, a configured path, or the servers'
@@ -36,6 +37,17 @@ from .config import RuntimeConfig
 from .engine.base import EngineClient
 from .engine.lifecycle import EngineState, Lifecycle, Weights
 from .engine.router import Router
+from .engine_setup import (
+    RuntimeError_,
+    embedded_model,
+    fit_context_to_engines,
+    launch_sglang,
+    load_tokenizer,
+    make_client,
+    reported_context_length,
+    start_all,
+    start_embedded,
+)
 from .scheduler import ScheduleResult, Scheduler, with_overrides
 from .types import Sample, Trajectory
 
@@ -44,10 +56,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
-
-
-class RuntimeError_(RuntimeError):
-    """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
 
 
 class StepError(RuntimeError_):
@@ -225,90 +233,35 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # Engine provisioning lives in `agentloop.engine_setup`; these thin methods are what RayRuntime
+    # overrides (`_start_embedded`, `_launch`) or calls (`_client`, `_embedded_model`).
     def _client(self, url: str) -> EngineClient:
-        from .engine.sglang import SGLangClient
-
-        return SGLangClient(url, generate_timeout=self.config.engine.request_timeout)
+        return make_client(url, self.config.engine)
 
     def _embedded_model(self) -> Path:
         """The embedded engine's model folder (`engine.model`, else the shipped tiny tool model)."""
-        ecfg = self.config.engine
-        if ecfg.model is not None:
-            model = Path(ecfg.model)
-        else:
-            from .models import tiny_tool_model
-
-            model = tiny_tool_model()
-        if not model.is_dir():
-            raise RuntimeError_(f"engine.model: {model} is not a model folder")
+        model = embedded_model(self.config.engine)
         self.model_path = str(model)
         return model
 
     async def _start_embedded(self) -> None:
-        from .engine.local.process import LocalEngineProcess
-
-        ecfg = self.config.engine
         model = self._embedded_model()
-        procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local_args)) for _ in range(ecfg.num_local_servers)]
-        self.processes.extend(procs)
-        urls = await _start_all(procs, ecfg.start_timeout)
+        urls = await start_embedded(self.config.engine, model, self.processes)
         self.clients = [self._client(u) for u in urls]
 
     async def _launch(self) -> None:
-        from .engine.launch import SGLangLaunchConfig, SGLangServer, start_servers
-
         lc = self.config.engine.launch
         assert lc is not None
         self.model_path = lc.model_path
-        gpu_ids = lc.gpu_ids or list(range(lc.num_servers))
-        if len(gpu_ids) != lc.num_servers:
-            raise RuntimeError_(f"engine.launch.gpu_ids has {len(gpu_ids)} entries for {lc.num_servers} servers")
-        servers = []
-        for gid in gpu_ids:
-            kw: dict[str, Any] = {"model_path": lc.model_path, "gpu_ids": [gid], "extra_args": tuple(lc.flags)}
-            if lc.mem_fraction_static is not None:
-                kw["mem_fraction_static"] = lc.mem_fraction_static
-            servers.append(SGLangServer(SGLangLaunchConfig(**kw)))
-        self.processes.extend(servers)
-        urls = await start_servers(servers, timeout=self.config.engine.start_timeout)
+        urls = await launch_sglang(self.config.engine, self.processes)
         self.clients = [self._client(u) for u in urls]
 
     async def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        path = self.config.engine.tokenizer or self.model_path
-        if path is None:
-            info = await self.clients[0].model_info()
-            path = info.get("tokenizer_path") or info.get("model_path")
-            if not path or not Path(path).exists():
-                raise RuntimeError_(
-                    f"no tokenizer: the server at {self.clients[0].url} reports tokenizer_path={path!r}, which is not a "
-                    "local folder; set engine.tokenizer")
-        return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))
+        return await load_tokenizer(self.config.engine, self.model_path, self.clients)
 
     async def _fit_context_to_engines(self) -> None:
-        """Lower `agent.max_context_tokens` to the smallest usable context the engines report (see
-        `_reported_context_length`), so an agent loop stops at the real limit instead of sending a
-        request the engine refuses or cuts short. Only lowers;
-        engines that report none (or cannot be asked) leave the configured value."""
-        reported: dict[str, int] = {}
-        for c in self.clients:
-            try:
-                with anyio.fail_after(30):
-                    n = _reported_context_length(await c.server_info())
-            except Exception as e:  # informational endpoint: the configured budget still holds
-                log.warning("cannot read the context length of %s: %s", getattr(c, "url", c), e)
-                continue
-            if n is not None:
-                reported[getattr(c, "url", repr(c))] = n
-        self.engine_context_length = min(reported.values()) if reported else None
-        agent = self.config.agent
-        if self.engine_context_length is not None and self.engine_context_length < agent.max_context_tokens:
-            log.info("agent.max_context_tokens %d lowered to %d, the engines' usable context (%s)",
-                     agent.max_context_tokens, self.engine_context_length, reported)
-            # A copy: the caller's config object is left as given.
-            self.config = self.config.model_copy(
-                update={"agent": agent.model_copy(update={"max_context_tokens": self.engine_context_length})})
+        """Lower `agent.max_context_tokens` to the engines' usable context (`fit_context_to_engines`)."""
+        self.config, self.engine_context_length = await fit_context_to_engines(self.config, self.clients)
 
     def _load_tools(self) -> Any:
         from .tools.registry import ToolRegistry
@@ -516,31 +469,6 @@ class Runtime:
         self.stop_sync()
 
 
-def _reported_context_length(info: Mapping[str, Any]) -> int | None:
-    """How long (prompt + response) a trajectory may grow on an engine, from its `/server_info`, so
-    that every turn is accepted and gets the `max_new_tokens` it asks for. SGLang (and the CPU engine,
-    which copies it) caps `max_new_tokens` at `context_length - 2 - input` (its scheduler's
-    `max_req_len - input - 1`, `max_req_len = context - 1`) and aborts an input of
-    `max_req_input_len` tokens or more; the CPU engine reports only `context_length`, SGLang reports
-    `max_req_input_len` and `context_length` (null unless launched with `--context-length`)."""
-    limits = []
-    n = info.get("context_length")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 2:
-        limits.append(n - 2)
-    n = info.get("max_req_input_len")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-        limits.append(n)
-    return min(limits) if limits else None
-
-
-async def _start_all(procs: Sequence[Any], timeout: float) -> list[str]:
-    """Start engine processes concurrently; the URLs in order. Any failure raises (and names the engine)."""
-    urls: list[str | None] = [None] * len(procs)
-
-    async def one(i: int) -> None:
-        urls[i] = await procs[i].start(timeout=timeout)
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(procs)):
-            tg.start_soon(one, i)
-    return [u for u in urls if u is not None]
+# Former private names, kept importable from here.
+_reported_context_length = reported_context_length
+_start_all = start_all
