@@ -2,8 +2,10 @@
 
 This module is a thin caller of `agentloop.runtime.Runtime` (the one async step: wake-up in stages
 → roll out → sleep); it owns only what the command adds around it: settings (YAML + flags), the
-dataset, the per-step prompt batches, streaming finished trajectories to disk, the progress
-display, summary.json and timeline.png, and a clean Ctrl-C.
+dataset, running the steps with their prompt batches, streaming finished trajectories to disk, the
+progress display, summary.json and timeline.png. Which rows each step takes lives in
+`rollout_prompts`; how a run is stopped (signals) and which failures are the engines' lives in
+`rollout_stop`; the flags in `rollout_args`.
 
 With no `--engine-url` it starts the embedded CPU engine with the shipped tiny tool model, and with
 no `--data` it uses the bundled arithmetic prompts, so `agentloop rollout` alone runs a real
@@ -19,12 +21,9 @@ asleep or stopped, finished and partial trajectories and a summary of them writt
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,12 +32,8 @@ from typing import Any, Sequence
 
 import anyio
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
-
 from ..dataset import Dataset, DatasetError, load_dataset
-from ..engine.base import EngineError, EngineUnavailable
-from ..engine.lifecycle import LifecycleError, StageRecord
+from ..engine.lifecycle import StageRecord
 from ..output import (
     PARQUET_NAME,
     SUMMARY_NAME,
@@ -53,45 +48,17 @@ from ..output import (
 from ..progress import RolloutProgress
 from ..rollout_config import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
+from .rollout_prompts import groups_per_step, step_prompts, take_prompts
+from .rollout_stop import _engine_failure, _leaves, watch_signals
 from ..types import Sample, Trajectory
+
+# Re-exported: callers and tests import the prompt walk from here.
+__all__ = ["EXIT_ENGINE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "groups_per_step",
+           "run", "step_prompts", "take_prompts"]
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # ------------------------------------------------------------------------------------ the run
-def take_prompts(samples: Sequence[Sample], start: int, count: int) -> list[Sample]:
-    """`count` rows from position `start` of the endless repetition of `samples` (in order, wrapping).
-
-    A row seen again (a later lap) gets its uid suffixed with the lap (uids name groups and must
-    stay unique across the run's output)."""
-    out = []
-    for pos in range(start, start + count):
-        s = samples[pos % len(samples)]
-        lap = pos // len(samples)
-        out.append(s if lap == 0 else _relabel(s, f"{s.uid}@{lap}"))
-    return out
-
-
-def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> list[Sample]:
-    """The prompts of step `step` (1-based) when every step takes `per_step` fresh rows (None: all)."""
-    if per_step is None:
-        return take_prompts(samples, (step - 1) * len(samples), len(samples))
-    return take_prompts(samples, (step - 1) * per_step, per_step)
-
-
-def groups_per_step(cfg: RolloutConfig) -> int | None:
-    """How many prompt groups each step launches: `prompts_per_step`, or with over-sampling
-    (`runtime.scheduler.target_groups` set) ceil(target_groups x oversample_factor), which the
-    scheduler cuts back to `target_groups` complete groups (None: every row each step)."""
-    sched = cfg.runtime.scheduler
-    if sched.target_groups is None:
-        return cfg.prompts_per_step
-    return sched.prompts_per_step(sched.target_groups)
-
-
-def _relabel(s: Sample, uid: str) -> Sample:
-    return dataclasses.replace(s, uid=uid, extra=dict(s.extra))
-
-
 @dataclass
 class _StepRecord:
     step: int
@@ -252,82 +219,11 @@ def _finish_outputs(run: _Run) -> list[Path]:
     return written
 
 
-def _leaves(e: BaseException) -> list[BaseException]:
-    if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
-    return [e]
-
-
-def _engine_failure(e: BaseException) -> str | None:
-    """A message for an engine-side failure (unreachable server, failed stage, engine that would not
-    start), naming the server; None for anything else (a bug: let it raise with its traceback)."""
-    from ..runtime import RuntimeError_
-
-    messages = []
-    for leaf in _leaves(e):
-        if isinstance(leaf, LifecycleError) and isinstance(leaf.__cause__, EngineUnavailable):
-            messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.__cause__.message} "
-                            f"(during lifecycle stage '{leaf.stage}')")
-        elif isinstance(leaf, EngineUnavailable):
-            messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.message}")
-        elif isinstance(leaf, (EngineError, LifecycleError, RuntimeError_, OSError, TimeoutError)):
-            messages.append(str(leaf) or type(leaf).__name__)
-        else:
-            return None
-    return "; ".join(dict.fromkeys(messages)) or None
-
-
-#: Seconds a first Ctrl-C waits for the running trajectories to return their partial results.
-INTERRUPT_GRACE = 30.0
-
-
-async def _graceful_stop(run: _Run, work: anyio.CancelScope) -> None:
-    """First interrupt: stop the step's trajectories through the scheduler (their in-flight requests
-    are aborted on the servers, the partial trajectories come back and are written as `aborted`),
-    and let the step end its own way (sleep). Outside a step, or past the grace time, cancel."""
-    deadline = time.monotonic() + INTERRUPT_GRACE
-    while run.in_step and time.monotonic() < deadline:
-        scheduler = getattr(run.runtime, "scheduler", None)
-        if scheduler is not None:
-            # Repeated: a signal during the wake-up lands before the step's scheduler run starts.
-            scheduler.stop("interrupted")
-        await anyio.sleep(0.2)
-    work.cancel()
-
-
-async def _force_stop(run: _Run) -> None:
-    """Second interrupt: stop the engine processes this run started, now. The graceful sleep that
-    may be waiting on them then fails fast, and nothing is left running behind us."""
-    for p in list(getattr(run.runtime, "processes", None) or []):
-        with contextlib.suppress(Exception):
-            await p.stop()
-
-
 async def _main(run: _Run) -> int:
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
-
-        async def on_signal() -> None:
-            # Receives for the whole run, cleanup included: 1st signal = graceful stop; 2nd = stop the
-            # engines we started without waiting; 3rd = exit at once.
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                count = 0
-                async for signum in signals:
-                    count += 1
-                    name = signal.Signals(signum).name
-                    if count == 1:
-                        run.interrupted = True
-                        run.progress.message(f"{name}: stopping (aborting in-flight requests, putting the engines to "
-                                             "sleep, writing finished and partial trajectories); again to hurry ...")
-                        tg.start_soon(_graceful_stop, run, work)
-                    elif count == 2:
-                        run.progress.message(f"{name}: stopping the engines this run started now; again to exit at once")
-                        tg.start_soon(_force_stop, run)
-                    else:
-                        raise KeyboardInterrupt
-
-        tg.start_soon(on_signal)
+        tg.start_soon(watch_signals, run, tg, work)
         with work:
             try:
                 await _run_steps(run)
