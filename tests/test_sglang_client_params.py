@@ -121,3 +121,20 @@ async def test_flush_cache_timeout_waits_on_the_server(local_engine: str) -> Non
         state = (await client.server_info())["internal_states"][0]
         assert state["num_running"] == 0 and state["num_waiting"] == 0
         assert len((await asyncio.wait_for(task, 30)).output_ids) == 1500
+
+
+async def test_launch_facts_are_asked_once(local_engine: str) -> None:
+    """Vocabulary size, transport and TP size come from one /server_info answer, however many lookups."""
+    class Counting(SGLangClient):
+        asked = 0
+
+        async def server_info(self) -> dict:
+            Counting.asked += 1
+            return await super().server_info()
+
+    async with Counting(local_engine) as c:
+        await c.prepare()
+        assert await c.resolve_tensor_transport() == "safetensors" and isinstance(await c.resolve_vocab_size(), int)
+        assert c._tp_size == 1 and Counting.asked == 1
+        await c.server_info()  # a direct call still asks the server (its internal_states change)
+        assert Counting.asked == 2

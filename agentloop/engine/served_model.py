@@ -43,8 +43,17 @@ class ServedModelChecks:
     _lookup_lock: anyio.Lock | None
     _param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"]
 
+    #: The first `/server_info` answer: its launch facts (vocab size, TP size, tensor transport) do not
+    #: change while the server runs, so the lookups share one request.
+    _launch_info: dict[str, Any] | None = None
+
     async def server_info(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    async def launch_info(self) -> dict[str, Any]:
+        if self._launch_info is None:
+            self._launch_info = await self.server_info()
+        return self._launch_info
 
     async def model_info(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -60,7 +69,7 @@ class ServedModelChecks:
                 return self.vocab_size  # type: ignore[return-value]
             vocab: int | None = None
             try:
-                info = await self.server_info()
+                info = await self.launch_info()
                 if info.get("vocab_size"):
                     vocab = int(info["vocab_size"])
                 else:
@@ -120,7 +129,7 @@ class ServedModelChecks:
     async def resolve_tensor_transport(self) -> TensorTransport:
         """`safetensors` for the CPU engine, `cuda_ipc` for real SGLang (asked once, then cached)."""
         if self.tensor_transport == "auto":
-            info = await self.server_info()
+            info = await self.launch_info()
             self._tp_size = int(info.get("tp_size") or 1)
             self.tensor_transport = "safetensors" if info.get("tensor_transport") == "safetensors" else "cuda_ipc"
         return self.tensor_transport

@@ -317,7 +317,7 @@ class SGLangClient(ServedModelChecks):
             if self.weight_check and load_format is None:
                 await self.check_named_tensors(named)
             if self._tp_size is None:
-                self._tp_size = int((await self.server_info()).get("tp_size") or 1)
+                self._tp_size = int((await self.launch_info()).get("tp_size") or 1)
             payloads = cuda_ipc_payloads(named, self._tp_size)
         body: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": load_format,
                                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
