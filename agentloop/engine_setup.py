@@ -25,17 +25,14 @@ import anyio
 
 from .config import EngineConfig, RuntimeConfig
 from .engine.base import EngineClient
+from .runtime_types import RuntimeError_
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "RuntimeError_", "embedded_model", "fit_context_to_engines", "launch_sglang", "load_tokenizer",
+    "embedded_model", "fit_context_to_engines", "launch_sglang", "load_tokenizer",
     "make_client", "reported_context_length", "start_all", "start_embedded",
 ]
-
-
-class RuntimeError_(RuntimeError):
-    """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
 
 
 def make_client(url: str, ecfg: EngineConfig) -> EngineClient:

@@ -25,28 +25,33 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import anyio.from_thread
 
-from .batch import CollateError, RolloutBatch, collate
+from .batch import CollateError, collate
 from .config import RuntimeConfig
 from .engine.base import EngineClient
 from .engine.lifecycle import EngineState, Lifecycle, Weights
 from .engine.router import Router
 from .engine_setup import (
-    RuntimeError_,
     embedded_model,
     fit_context_to_engines,
     launch_sglang,
     load_tokenizer,
     make_client,
-    reported_context_length,
-    start_all,
     start_embedded,
+)
+from .runtime_types import (
+    RuntimeError_,
+    StepCollateError,
+    StepError,
+    StepResult,
+    StepSleepError,
+    StepStream,
+    check_pad_to,
 )
 from .scheduler import ScheduleResult, Scheduler, with_overrides
 from .types import Sample, Trajectory
@@ -56,58 +61,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
-
-
-class StepError(RuntimeError_):
-    """The rollout finished but the step could not be completed. Nothing is lost: the step's
-    `trajectories` and `carry_over` are on the exception."""
-
-    def __init__(self, message: str, trajectories: list[Trajectory], carry_over: list[Sample]) -> None:
-        super().__init__(message)
-        self.trajectories = trajectories
-        self.carry_over = carry_over
-
-
-class StepCollateError(StepError):
-    """The trajectories cannot be collated (e.g. one is longer than `pad_to`)."""
-
-
-class StepSleepError(StepError):
-    """The engines' sleep after the rollout failed (the error names the stage and server). The next
-    `step` finishes that sleep from the failed stage before it wakes the engines."""
-
-
-def _check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
-    """`pad_to` checked before any engine wakes: None or (prompt_len, response_len), each None or >= 1."""
-    if pad_to is None:
-        return None
-    if not isinstance(pad_to, (tuple, list)) or len(pad_to) != 2 or not all(
-            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in pad_to):
-        raise ValueError(f"pad_to must be None or (prompt_len, response_len), each a positive int or None; got {pad_to!r}")
-    return (pad_to[0], pad_to[1])
-
-
-@dataclass
-class StepResult:
-    """One step's output. Pass `carry_over` (+ new prompts) to the next `step` for partial rollout."""
-
-    step: int
-    weight_version: str | None
-    trajectories: list[Trajectory]
-    batch: RolloutBatch
-    carry_over: list[Sample] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
-class StepStream:
-    """Finished trajectories of a running step (`async for`), and its `StepResult` once it is done."""
-
-    def __init__(self, receive: Any) -> None:
-        self._receive = receive
-        self.result: StepResult | None = None
-
-    def __aiter__(self) -> AsyncIterator[Trajectory]:
-        return self._receive.__aiter__()
 
 
 class Runtime:
@@ -293,7 +246,7 @@ class Runtime:
         `pad_to=(prompt_len, response_len)` pads the batch to fixed lengths (either None = the batch's
         longest); a trajectory longer than that raises `StepCollateError`, which keeps the step's results.
         """
-        pad_to = _check_pad_to(pad_to)
+        pad_to = check_pad_to(pad_to)
         samples = self._as_samples(samples)
         if not self.started:
             await self.start()
@@ -470,5 +423,3 @@ class Runtime:
 
 
 # Former private names, kept importable from here.
-_reported_context_length = reported_context_length
-_start_all = start_all

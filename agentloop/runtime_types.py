@@ -1,0 +1,69 @@
+"""What a `Runtime` step hands back: `StepResult`, the `StepStream` of a running step, and the
+errors that carry a finished rollout's trajectories when the step cannot complete; the `pad_to`
+argument check made before any engine wakes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from .batch import RolloutBatch
+from .types import Sample, Trajectory
+
+__all__ = ["RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
+
+
+class RuntimeError_(RuntimeError):
+    """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
+
+
+class StepError(RuntimeError_):
+    """The rollout finished but the step could not be completed. Nothing is lost: the step's
+    `trajectories` and `carry_over` are on the exception."""
+
+    def __init__(self, message: str, trajectories: list[Trajectory], carry_over: list[Sample]) -> None:
+        super().__init__(message)
+        self.trajectories = trajectories
+        self.carry_over = carry_over
+
+
+class StepCollateError(StepError):
+    """The trajectories cannot be collated (e.g. one is longer than `pad_to`)."""
+
+
+class StepSleepError(StepError):
+    """The engines' sleep after the rollout failed (the error names the stage and server). The next
+    `step` finishes that sleep from the failed stage before it wakes the engines."""
+
+
+def check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
+    """`pad_to` checked before any engine wakes: None or (prompt_len, response_len), each None or >= 1."""
+    if pad_to is None:
+        return None
+    if not isinstance(pad_to, (tuple, list)) or len(pad_to) != 2 or not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in pad_to):
+        raise ValueError(f"pad_to must be None or (prompt_len, response_len), each a positive int or None; got {pad_to!r}")
+    return (pad_to[0], pad_to[1])
+
+
+@dataclass
+class StepResult:
+    """One step's output. Pass `carry_over` (+ new prompts) to the next `step` for partial rollout."""
+
+    step: int
+    weight_version: str | None
+    trajectories: list[Trajectory]
+    batch: RolloutBatch
+    carry_over: list[Sample] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class StepStream:
+    """Finished trajectories of a running step (`async for`), and its `StepResult` once it is done."""
+
+    def __init__(self, receive: Any) -> None:
+        self._receive = receive
+        self.result: StepResult | None = None
+
+    def __aiter__(self) -> AsyncIterator[Trajectory]:
+        return self._receive.__aiter__()
