@@ -25,7 +25,7 @@ import anyio
 
 from .config import EngineConfig, RuntimeConfig
 from .engine.base import EngineClient
-from .runtime_types import RuntimeError_
+from .runtime_types import AgentloopError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def embedded_model(ecfg: EngineConfig) -> Path:
 
         model = tiny_tool_model()
     if not model.is_dir():
-        raise RuntimeError_(f"engine.model: {model} is not a model folder")
+        raise AgentloopError(f"engine.model: {model} is not a model folder")
     return model
 
 
@@ -72,7 +72,7 @@ async def launch_sglang(ecfg: EngineConfig, processes: list[Any]) -> list[str]:
     assert lc is not None
     gpu_ids = lc.gpu_ids or list(range(lc.num_servers))
     if len(gpu_ids) != lc.num_servers:
-        raise RuntimeError_(f"engine.launch.gpu_ids has {len(gpu_ids)} entries for {lc.num_servers} servers")
+        raise AgentloopError(f"engine.launch.gpu_ids has {len(gpu_ids)} entries for {lc.num_servers} servers")
     servers = []
     for gid in gpu_ids:
         kw: dict[str, Any] = {"model_path": lc.model_path, "gpu_ids": [gid], "extra_args": tuple(lc.flags)}
@@ -92,7 +92,7 @@ async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Se
         info = await clients[0].model_info()
         path = info.get("tokenizer_path") or info.get("model_path")
         if not path or not Path(path).exists():
-            raise RuntimeError_(
+            raise AgentloopError(
                 f"no tokenizer: the server at {clients[0].url} reports tokenizer_path={path!r}, which is not a "
                 "local folder; set engine.tokenizer")
     return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))

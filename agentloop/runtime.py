@@ -45,7 +45,7 @@ from .engine_setup import (
     start_embedded,
 )
 from .runtime_types import (
-    RuntimeError_,
+    AgentloopError,
     StepCollateError,
     StepError,
     StepResult,
@@ -58,7 +58,7 @@ from .types import Sample, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Runtime", "RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
+__all__ = ["AgentloopError", "Runtime", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
@@ -420,6 +420,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_sync()
-
-
-# Former private names, kept importable from here.

@@ -10,14 +10,14 @@ from typing import Any, AsyncIterator
 from .batch import RolloutBatch
 from .types import Sample, Trajectory
 
-__all__ = ["RuntimeError_", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
+__all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
 
 
-class RuntimeError_(RuntimeError):
+class AgentloopError(RuntimeError):
     """The runtime cannot do what was asked (not started, engines failed to start, ...)."""
 
 
-class StepError(RuntimeError_):
+class StepError(AgentloopError):
     """The rollout finished but the step could not be completed. Nothing is lost: the step's
     `trajectories` and `carry_over` are on the exception."""
 

@@ -120,7 +120,7 @@ class Scheduler:
         self.reward_fn = reward_fn
         self.clock = clock
         self._agents: dict[str, AgentLoop] = {}
-        self._runs: list[_Run] = []
+        self._runs: list[_ScheduleRun] = []
 
     def _agent(self, name: str) -> AgentLoop:
         if name not in self._agents:
@@ -135,7 +135,7 @@ class Scheduler:
         config: SchedulerConfig | None = None,
     ) -> ScheduleResult:
         """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault."""
-        run = _Run(self, config or self.config, on_trajectory)
+        run = _ScheduleRun(self, config or self.config, on_trajectory)
         self._runs.append(run)
         try:
             return await run.run(samples)
@@ -149,7 +149,7 @@ class Scheduler:
             run.stop(reason)
 
 
-class _Run:
+class _ScheduleRun:
     """The state of one `Scheduler.run` call."""
 
     def __init__(self, sched: Scheduler, cfg: SchedulerConfig, on_trajectory: OnTrajectory | None) -> None:

@@ -247,7 +247,7 @@ def test_ray_runtime_takes_every_runtime_argument(tmp_path: Path) -> None:
 def test_ray_init_keeps_the_process_sigterm_handler_and_names_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from agentloop.config import RayConfig
     from agentloop.distributed import runtime as ray_runtime
-    from agentloop.runtime import RuntimeError_
+    from agentloop.runtime import AgentloopError
 
     def like_ray_init(address: str | None = None, **kwargs: Any) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does
@@ -264,7 +264,7 @@ def test_ray_init_keeps_the_process_sigterm_handler_and_names_bad_settings(monke
         ray_runtime._init_ray(RayConfig())
         assert signal.getsignal(signal.SIGTERM) is mine  # the process's own handler is back
         monkeypatch.setattr(ray_runtime.ray, "init", no_cluster)
-        with pytest.raises(RuntimeError_, match=r"cannot start or join Ray \(ray.address='auto', ray.init_kwargs="
+        with pytest.raises(AgentloopError, match=r"cannot start or join Ray \(ray.address='auto', ray.init_kwargs="
                            r"\{'num_cpus': 2\}\): ConnectionError: Could not find"):
             ray_runtime._init_ray(RayConfig(address="auto", init_kwargs={"num_cpus": 2}))
     finally:

@@ -45,7 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"the benchmarks folder (default: the source checkout's, {DEFAULT_DIR})")
     p.add_argument("name", nargs="?", metavar="NAME", help="benchmark to run (a file benchmarks/NAME.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the benchmark's own arguments")
-    p.set_defaults(func=run)
     return p
 
 

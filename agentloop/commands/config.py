@@ -21,7 +21,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--show", action="store_true", help="print every setting with its default and description as YAML")
     g.add_argument("--check", metavar="FILE.yaml", help="validate a config file and print the resolved settings")
-    p.set_defaults(func=run)
     return p
 
 

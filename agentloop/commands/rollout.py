@@ -49,7 +49,7 @@ from ..progress import RolloutProgress
 from ..rollout_config import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
 from .rollout_prompts import groups_per_step, step_prompts, take_prompts
-from .rollout_stop import _engine_failure, _leaves, watch_signals
+from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
 
 # Re-exported: callers and tests import the prompt walk from here.
@@ -69,7 +69,7 @@ class _StepRecord:
 
 
 @dataclass
-class _Run:
+class _CommandRun:
     cfg: RolloutConfig
     dataset: Dataset
     progress: RolloutProgress
@@ -93,7 +93,7 @@ def _rollout_window(records: Sequence[StageRecord]) -> float | None:
     return None
 
 
-async def _run_steps(run: _Run) -> None:
+async def _run_steps(run: _CommandRun) -> None:
     from ..runtime import Runtime  # imported late: `agentloop config`/`--help` stay light
 
     cfg = run.cfg
@@ -186,7 +186,7 @@ def _step_summary(rec: _StepRecord) -> dict[str, Any]:
                           rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"))
 
 
-def _finish_outputs(run: _Run) -> list[Path]:
+def _finish_outputs(run: _CommandRun) -> list[Path]:
     """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
     if run.stream is None:
         return []
@@ -219,7 +219,7 @@ def _finish_outputs(run: _Run) -> list[Path]:
     return written
 
 
-async def _main(run: _Run) -> int:
+async def _main(run: _CommandRun) -> int:
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
@@ -228,7 +228,7 @@ async def _main(run: _Run) -> int:
             try:
                 await _run_steps(run)
             except Exception as e:
-                message = _engine_failure(e)
+                message = engine_failure_message(e)
                 if message is None:
                     raise
                 run.error = message
@@ -262,13 +262,13 @@ def run(args: argparse.Namespace) -> int:
         more = f"\n  ... and {len(dataset.bad_rows) - 10} more" if len(dataset.bad_rows) > 10 else ""
         print(f"agentloop rollout: skipped {len(dataset.bad_rows)} bad row(s) of {dataset.path} "
               f"(on_bad_row=skip):\n  {shown}{more}", file=sys.stderr)
-    state = _Run(cfg, dataset, progress)
+    state = _CommandRun(cfg, dataset, progress)
     try:
         with progress:
             code = anyio.run(_main, state)
     except BaseException as e:
         # Ctrl-C before the signal handler was installed, or a third one (possibly inside a group).
-        if all(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(e)):
+        if all(isinstance(leaf, KeyboardInterrupt) for leaf in exception_leaves(e)):
             print("agentloop rollout: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
         raise
@@ -292,7 +292,7 @@ def _load_data(cfg: RolloutConfig) -> Dataset:
                         known_rewards=registered_rewards())
 
 
-def _print_result(state: _Run, code: int) -> None:
+def _print_result(state: _CommandRun, code: int) -> None:
     written = state.written
     if not written:
         return

@@ -67,7 +67,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
     p.add_argument("-q", "--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
     p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
-    p.set_defaults(func=run)
     return p
 
 
@@ -96,9 +95,3 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     if getattr(args, "timeline", None) is False:
         out["timeline"] = (False, "--no-timeline")
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    from . import rollout
-
-    return rollout.run(args)

@@ -32,7 +32,7 @@ class _Progress(Protocol):
 
 
 class StoppableRun(Protocol):
-    """What stopping needs of a run (the command's `_Run` state)."""
+    """What stopping needs of a run (the command's `_CommandRun` state)."""
 
     interrupted: bool
     in_step: bool
@@ -40,25 +40,26 @@ class StoppableRun(Protocol):
     progress: _Progress
 
 
-def _leaves(e: BaseException) -> list[BaseException]:
+def exception_leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions inside `e`, exception groups flattened at any depth (`[e]` when it is not a group)."""
     if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+        return [leaf for sub in e.exceptions for leaf in exception_leaves(sub)]
     return [e]
 
 
-def _engine_failure(e: BaseException) -> str | None:
+def engine_failure_message(e: BaseException) -> str | None:
     """A message for an engine-side failure (unreachable server, failed stage, engine that would not
     start), naming the server; None for anything else (a bug: let it raise with its traceback)."""
-    from ..runtime import RuntimeError_
+    from ..runtime import AgentloopError
 
     messages = []
-    for leaf in _leaves(e):
+    for leaf in exception_leaves(e):
         if isinstance(leaf, LifecycleError) and isinstance(leaf.__cause__, EngineUnavailable):
             messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.__cause__.message} "
                             f"(during lifecycle stage '{leaf.stage}')")
         elif isinstance(leaf, EngineUnavailable):
             messages.append(f"cannot reach the engine server at {leaf.url}: {leaf.message}")
-        elif isinstance(leaf, (EngineError, LifecycleError, RuntimeError_, OSError, TimeoutError)):
+        elif isinstance(leaf, (EngineError, LifecycleError, AgentloopError, OSError, TimeoutError)):
             messages.append(str(leaf) or type(leaf).__name__)
         else:
             return None

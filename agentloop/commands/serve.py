@@ -25,7 +25,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs",
     )
     p.add_argument("--log-level", default="info")
-    p.set_defaults(func=run)
     return p
 
 

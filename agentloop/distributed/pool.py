@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..engine.router import RouteSession
-from ..runtime import RuntimeError_
+from ..runtime import AgentloopError
 from ..types import Sample, Trajectory
 from .worker import RolloutWorker
 
@@ -43,7 +43,7 @@ class NoWorkerError(RuntimeError):
     """Every rollout worker is dead and no replacement may be started."""
 
 
-class WorkerStartError(RuntimeError_):
+class WorkerStartError(AgentloopError):
     """A rollout worker actor could not be built (its constructor failed on the worker)."""
 
 

@@ -44,7 +44,7 @@ from ..config import RayConfig, RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient, EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
 from ..engine.router import RouteSession, Router
-from ..runtime import Runtime, RuntimeError_, StepResult
+from ..runtime import AgentloopError, Runtime, StepResult
 from ..scheduler import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
@@ -385,7 +385,7 @@ def _init_ray(rc: RayConfig) -> None:
     try:
         ray.init(address=rc.address, **rc.init_kwargs)
     except Exception as e:  # no cluster at the address, arguments Ray refuses, ...: say which settings
-        raise RuntimeError_(f"cannot start or join Ray (ray.address={rc.address!r}, ray.init_kwargs={rc.init_kwargs}): "
+        raise AgentloopError(f"cannot start or join Ray (ray.address={rc.address!r}, ray.init_kwargs={rc.init_kwargs}): "
                             f"{type(e).__name__}: {e}") from e
     if main and callable(before):
         signal.signal(signal.SIGTERM, before)
