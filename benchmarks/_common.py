@@ -120,15 +120,27 @@ def run_benchmark(name: str, argv: list[str] | None, parse_args: Callable[[list[
             report.update(measured, complete=complete)
             write_json(report, json_path)
             if complete or plot_checkpoints:
-                plot(report, png_path)
+                _plot_safely(plot, report, png_path)
 
         save(anyio.run(measure, args, save), complete=True)
     else:
         report.update(anyio.run(measure, args))
         write_json(report, json_path)
-        plot(report, png_path)
+        _plot_safely(plot, report, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _plot_safely(plot: Callable[[dict[str, Any], Path], None], report: dict[str, Any], path: Path) -> None:
+    """Draw the plot; a plotting failure is reported, never allowed to end a run whose JSON is measured.
+
+    A GPU run costs scarce device minutes: on the H200 image a stub IPython module once made every
+    pyplot figure raise, and the benchmarks died after their first point.
+    """
+    try:
+        plot(report, path)
+    except Exception as exc:  # noqa: BLE001 - any plotting error; the JSON already holds the data
+        print(f"warning: could not draw {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:
