@@ -152,7 +152,12 @@ class AgentSettings(_Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, description="Top-k sampling (-1: off).")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling threshold.")
-    seed: int | None = Field(None, description="Sampling seed (None: unseeded).")
+    seed: int | None = Field(
+        None,
+        description="Sampling seed (None: unseeded). Each model turn of each sample is sent a seed derived from it, "
+        "the sample's uid, its index in the group and the turn: the samples of a group stay distinct and a re-run "
+        "with the same seed repeats exactly.",
+    )
     tool_parser: str = Field("hermes", description="Tool-call parser name (see `agentloop.tools.parsers`).")
     tool_timeout: float = Field(30.0, gt=0, description="Seconds one tool call may take.")
     max_parallel_calls: int = Field(4, ge=1, description="Tool calls of one turn run concurrently up to this many.")

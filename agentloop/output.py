@@ -12,6 +12,9 @@
   generated tokens/s (`tokens_per_second`), time split generate/tool/queue/wait/user
   (`trajectory_seconds`), wake-up and sleep seconds per lifecycle stage (`wake_up_stages`,
   `sleep_stages`): the run's totals at top level (also under `total`), each step's under `per_step`.
+  Each step also lists every prompt it launched with what became of it (`prompts`: uid → one of
+  `PROMPT_STATUSES`, `not_started` included, so a stopped run says what to re-run), counted in
+  `prompt_status` (per step and in total).
 
 Files other than the stream are written to a temporary name in the same folder and renamed, so no
 reader ever sees a half-written file.
@@ -25,7 +28,7 @@ import os
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Mapping, Sequence
 
 from .engine.lifecycle import StageRecord
 from .types import STATUSES, Trajectory
@@ -36,6 +39,9 @@ SUMMARY_NAME = "summary.json"
 TIMELINE_NAME = "timeline.png"
 OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME)
 TIME_KINDS = ("generate", "tool", "queue", "wait", "user")
+#: What became of one launched prompt (a GRPO group): its trajectories' worst status, `aborted` if
+#: some were stopped or never ran, `not_started` if none ran, `carried_over` if continued next step.
+PROMPT_STATUSES = ("completed", "truncated", "failed", "aborted", "not_started", "carried_over")
 
 
 def _file_mode() -> int:
@@ -281,9 +287,11 @@ def summarize_step(
     seconds: float | None = None,
     rollout_seconds: float | None = None,
     weight_version: str | None = None,
+    prompts: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The numbers of one step. `rollout_seconds` (wall time of the roll-out phase) is the
-    denominator of tokens/s; without it, the span of the trajectories' timeline events is used."""
+    denominator of tokens/s; without it, the span of the trajectories' timeline events is used.
+    `prompts` (uid → one of `PROMPT_STATUSES`) is listed and counted as given."""
     statuses = Counter(t.status for t in trajectories)
     rewards = [t.reward for t in trajectories if t.reward is not None and math.isfinite(t.reward)]
     gen_tokens = sum(sum(1 for m in t.response_mask if m == 1) for t in trajectories)
@@ -320,7 +328,13 @@ def summarize_step(
         "trajectory_seconds": {k: round(v, 6) for k, v in split.items()},
         "wake_up_stages": stages["wake_up"],
         "sleep_stages": stages["sleep"],
+        **({} if prompts is None else {"prompt_status": _prompt_counts(prompts.values()), "prompts": dict(prompts)}),
     }
+
+
+def _prompt_counts(statuses: Iterable[str]) -> dict[str, int]:
+    counts = Counter(statuses)
+    return {s: counts.get(s, 0) for s in PROMPT_STATUSES}
 
 
 def summarize_run(steps: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
@@ -356,6 +370,8 @@ def summarize_run(steps: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any
         "wake_up_stages": wake,
         "sleep_stages": sleep,
     }
+    if any("prompts" in s for s in steps):
+        totals["prompt_status"] = _prompt_counts(v for s in steps for v in s.get("prompts", {}).values())
     clash = info.keys() & (totals.keys() | {"total", "per_step"})
     if clash:
         raise ValueError(f"summarize_run: info keys {sorted(clash)} would hide the run totals")

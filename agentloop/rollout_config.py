@@ -171,6 +171,11 @@ class RolloutConfig(BaseModel):
         "skip",
         description="A dataset row that cannot be used: 'skip' it (counted and reported) or 'stop' the run.",
     )
+    overwrite: bool = Field(
+        False,
+        description="Replace the previous run in a non-empty `out` folder. Without it a non-empty folder is refused "
+        "(exit 2) before any engine starts, so a re-run never deletes earlier results silently.",
+    )
     quiet: bool = Field(False, description="Plain log lines instead of the live progress display.")
     timeline: bool = Field(True, description="Draw timeline.png (trajectories over time, lifecycle stages).")
     runtime: RuntimeConfig = Field(
@@ -332,7 +337,8 @@ def _scalar(value: Any) -> str:
 
 def _flag_note(dotted: str) -> str:
     """The note on the flag that sets `dotted` (and its top-level key), for `config --show`."""
-    switches = {"quiet": " Flag: -q, --quiet.", "timeline": " Flag: --no-timeline (sets false)."}
+    switches = {"quiet": " Flag: -q, --quiet.", "overwrite": " Flag: --overwrite.",
+                "timeline": " Flag: --no-timeline (sets false)."}
     dest = next((d for d, f in FLAG_NAMES.items() if f == dotted), None)
     if dest is None:
         return switches.get(dotted, "")

@@ -261,6 +261,6 @@ def test_rollout_over_samples_target_groups_and_carries_over(tmp_path: Path, mon
     assert [s["trajectories"] for s in summary["per_step"]] == [4, 4, 4]  # target_groups x n each step
     # Without target_groups: prompts_per_step fresh rows a step, nothing carried.
     _FakeRuntime.launched = []
-    assert main([*base, "--steps", "2", "--prompts-per-step", "4"]) == 0
+    assert main([*base, "--steps", "2", "--prompts-per-step", "4", "--overwrite"]) == 0
     assert [[s.uid for s in step] for step in _FakeRuntime.launched] == [["p0", "p1", "p2", "p3"],
                                                                         ["p4", "p5", "p6", "p7"]]

@@ -135,7 +135,7 @@ def test_unreachable_engine_url(tmp_path: Path) -> None:
     previous = out / "summary.json"
     previous.write_text('{"from": "an earlier run"}\n')
     url = "http://127.0.0.1:9"  # discard port: nothing listens there
-    res = run_rollout("--engine-url", url, "--out", str(out), "--quiet", timeout=120)
+    res = run_rollout("--engine-url", url, "--out", str(out), "--quiet", "--overwrite", timeout=120)
     assert res.returncode == 1
     assert f"cannot reach the engine server at {url}" in res.stderr
     assert "Traceback" not in res.stderr
@@ -212,4 +212,11 @@ def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
     assert 1 <= len(last) <= 16 * 2
     assert any(r["status"] == "aborted" for r in last)
     assert len(rows) == 32 * (steps - 1) + len(last)
+    # Every prompt of the stopped step is listed with what became of it; one with no row never started.
+    prompts = json.loads((out / "summary.json").read_text())["per_step"][-1]["prompts"]
+    assert len(prompts) == 16
+    for uid, status in prompts.items():
+        mine = [r["status"] for r in last if r["group_id"] == uid]
+        assert status == ("not_started" if not mine else "aborted" if len(mine) < 2 or "aborted" in mine
+                          else max(mine, key=["completed", "truncated", "failed"].index)), (uid, status, mine)
     assert _health(url) == 503  # in-flight requests aborted, engine memory released: asleep

@@ -7,6 +7,7 @@ per worker and shared through the context. Loops register by name and are picked
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Protocol
@@ -38,6 +39,17 @@ class AgentConfig:
     max_tool_response_tokens: int = 256
     tool_response_truncate_side: str = "middle"  # left | right | middle
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sample_seed(seed: int, uid: str, index: int, turn: int = 0) -> int:
+    """The `sampling_seed` of one model turn of one sample, derived from the run's `seed`.
+
+    One seed sent with every request would make the `n` samples of a GRPO group draw the same
+    tokens (identical responses, zero advantage); mixing in the sample's uid (its prompt's), its
+    index in the group and the turn keeps every draw distinct while a re-run with the same seed
+    repeats exactly. Kept below 2**31 so any engine's integer seed field takes it."""
+    digest = hashlib.blake2b(f"{seed}\x00{uid}\x00{index}\x00{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..chat import TokenBuffer
 from ..engine.base import GenerateOutput
 from ..types import Sample, TimelineEvent, Trajectory, TrajectoryStatus
-from .base import AgentContext
+from .base import AgentContext, sample_seed
 
 __all__ = ["Episode", "BudgetSpent"]
 
@@ -127,6 +127,12 @@ class Episode:
             want = max_new_tokens
         n = min(want, left)
         params = self.config.sampling.replace(max_new_tokens=n, **overrides)
+        if params.sampling_seed is not None and "sampling_seed" not in overrides:
+            s = self.sample
+            # Per sample and turn (group members would otherwise draw identical tokens); the turn
+            # count comes from the buffer, so a resumed trajectory goes on where it stopped.
+            params.sampling_seed = sample_seed(params.sampling_seed, s.group_id or s.uid, s.index_in_group,
+                                               len(self.buffer.turns))
         t0 = self.clock()
         out = await self.ctx.generate(self.buffer.ids, params)
         t1 = self.clock()

@@ -48,7 +48,7 @@ from ..output import (
 from ..progress import RolloutProgress
 from ..rollout_config import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
-from .rollout_prompts import groups_per_step, step_prompts, take_prompts
+from .rollout_prompts import groups_per_step, launched_groups, prompt_statuses, step_prompts, take_prompts
 from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
 
@@ -66,6 +66,9 @@ class _StepRecord:
     records: list[StageRecord] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     seconds: float | None = None
+    #: {prompt (group) uid: trajectories launched} and the groups continued next step.
+    launched: dict[str, int] = field(default_factory=dict)
+    carried: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -131,11 +134,11 @@ async def _run_steps(run: _CommandRun) -> None:
                 drawn += count
             prompts = carry + fresh
             by_group = {p.group_id or p.uid: p for p in prompts}
-            rec = _StepRecord(step)
+            n = cfg.runtime.scheduler.n
+            rec = _StepRecord(step, launched=launched_groups(prompts, n))
             run.steps.append(rec)
             first_record = len(runtime.lifecycle.records)
-            n = cfg.runtime.scheduler.n
-            total = sum(1 if s.group_id else n for s in prompts)
+            total = sum(rec.launched.values())
             run.progress.begin_step(step, cfg.steps, total)
             t0 = time.monotonic()
 
@@ -170,6 +173,8 @@ async def _run_steps(run: _CommandRun) -> None:
                 for s in carry:
                     if s.resume_from is not None:
                         await done(s.resume_from)
+            else:
+                rec.carried = {s.group_id or s.uid for s in carry}
             run.progress.end_step(_step_summary(rec))
             if run.interrupted:
                 break
@@ -183,7 +188,8 @@ def _step_summary(rec: _StepRecord) -> dict[str, Any]:
     if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
         rollout = _rollout_window(rec.records)
     return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
-                          rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"))
+                          rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"),
+                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried))
 
 
 def _finish_outputs(run: _CommandRun) -> list[Path]:
@@ -251,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
         print("agentloop rollout: Ray mode (--ray / runtime.ray.enabled) needs Ray: pip install 'agentloop[ray]'",
               file=sys.stderr)
         return EXIT_USAGE
+    refusal = _previous_run(Path(cfg.out)) if not cfg.overwrite else None
+    if refusal:
+        print(f"agentloop rollout: {refusal}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         dataset = _load_data(cfg)
     except DatasetError as e:
@@ -276,6 +286,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"agentloop rollout: {state.error}", file=sys.stderr)
     _print_result(state, code)
     return code
+
+
+def _previous_run(out: Path) -> str | None:
+    """Why `out` may not be written without --overwrite (it holds files), or None."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    held = sorted(p.name for p in out.iterdir())
+    if not held:
+        return None
+    shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    return (f"output folder {out} is not empty ({shown}); pass --overwrite to replace its run's files "
+            f"(config: overwrite: true), or give another --out")
 
 
 def _load_data(cfg: RolloutConfig) -> Dataset:
@@ -311,4 +335,9 @@ def _print_result(state: _CommandRun, code: int) -> None:
         f"reward mean {reward_s}; {tps_s} generated tokens/s",
         "wrote: " + ", ".join(str(p) for p in written),
     ]
+    prompts = total.get("prompt_status", {})
+    if any(prompts.get(k) for k in ("aborted", "not_started")):
+        # What to re-run: every prompt's status is in summary.json.
+        lines.insert(1, "prompts: " + ", ".join(f"{k} {v}" for k, v in prompts.items() if v)
+                     + f" (each prompt's status: {summary_path} per_step[].prompts)")
     print("\n".join(lines))

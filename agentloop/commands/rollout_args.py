@@ -39,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p.add_argument("--config", metavar="FILE.yaml", help="YAML settings file (see `agentloop config --show`)")
     p.add_argument("--data", metavar="FILE", help=h("data", "prompts, .jsonl or .parquet; none: the bundled arithmetic prompts"))
-    p.add_argument("--out", metavar="DIR", help=h("out", "output folder"))
+    p.add_argument("--out", metavar="DIR", help=h("out", "output folder; a non-empty one is refused unless --overwrite"))
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="replace the previous run's files in a non-empty --out folder (config field: overwrite)")
     # extend + nargs="+": `--engine-url A B` and `--engine-url A --engine-url B` both give [A, B].
     p.add_argument("--engine-url", metavar="URL", action="extend", nargs="+",
                    help=h("engine_url", "running SGLang(-compatible) servers, one or several (`--engine-url A B`, or the "
@@ -51,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--concurrency", type=int, metavar="N", help=h("concurrency", "trajectories in flight at once"))
     p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "tokens per model turn"))
     p.add_argument("--temperature", type=float, metavar="T", help=h("temperature", "sampling temperature"))
-    p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed"))
+    p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed: makes the run repeatable; each sample and turn gets its own "
+                                                  "seed derived from it, so GRPO groups stay diverse"))
     ray = p.add_argument_group("Ray mode", "workers and engines as Ray actors, on this machine or a cluster "
                                "(docs/distributed.md); needs `pip install 'agentloop[ray]'`")
     ray.add_argument("--ray", action="store_true", default=None,
@@ -90,6 +93,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         # Typing a Ray setting on the command line means Ray mode; in a file it may wait for `ray: true`.
         if getattr(args, dest, None) is not None and "runtime.ray.enabled" not in out:
             out["runtime.ray.enabled"] = (True, FLAG_FIELDS[dest][1])
+    if getattr(args, "overwrite", None):
+        out["overwrite"] = (True, "--overwrite")
     if getattr(args, "quiet", None):
         out["quiet"] = (True, "--quiet")
     if getattr(args, "timeline", None) is False:

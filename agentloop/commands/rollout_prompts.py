@@ -2,16 +2,17 @@
 
 Owns the walk over the dataset: rows are taken in order and wrap around (a later lap relabels the
 uid so groups stay unique across the run's output), and how many prompt groups a step launches
-(`prompts_per_step`, or over-sampling's ceil(target_groups x oversample_factor)).
+(`prompts_per_step`, or over-sampling's ceil(target_groups x oversample_factor)), and what became
+of each launched prompt (`prompt_statuses`, listed in summary.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Collection, Mapping, Sequence
 
 from ..rollout_config import RolloutConfig
-from ..types import Sample
+from ..types import Sample, Trajectory
 
 
 def take_prompts(samples: Sequence[Sample], start: int, count: int) -> list[Sample]:
@@ -46,3 +47,35 @@ def groups_per_step(cfg: RolloutConfig) -> int | None:
 
 def _relabel(s: Sample, uid: str) -> Sample:
     return dataclasses.replace(s, uid=uid, extra=dict(s.extra))
+
+
+def launched_groups(prompts: Sequence[Sample], n: int) -> dict[str, int]:
+    """{prompt (group) uid: trajectories it launches} for a step's prompts: a fresh prompt is a group
+    of `n`, a member carried over from the last step (group_id set) is one of its group."""
+    out: dict[str, int] = {}
+    for p in prompts:
+        key = p.group_id or p.uid
+        out[key] = out.get(key, 0) + (1 if p.group_id else n)
+    return out
+
+
+def prompt_statuses(launched: Mapping[str, int], trajectories: Sequence[Trajectory],
+                    carried: Collection[str] = ()) -> dict[str, str]:
+    """Every launched prompt with what became of it, so a stopped run says what to re-run:
+    `carried_over` (continued next step), `not_started` (no trajectory of it ran), `aborted` (some of
+    its trajectories were stopped or never ran), else the worst of its trajectories' statuses."""
+    seen: dict[str, list[str]] = {}
+    for t in trajectories:
+        seen.setdefault(t.group_id or t.uid, []).append(t.status)
+    out: dict[str, str] = {}
+    for uid, size in launched.items():
+        got = seen.get(uid, [])
+        if uid in carried:
+            out[uid] = "carried_over"
+        elif not got:
+            out[uid] = "not_started"
+        elif len(got) < size or "aborted" in got:
+            out[uid] = "aborted"
+        else:
+            out[uid] = next(s for s in ("failed", "truncated", "completed") if s in got)
+    return out
