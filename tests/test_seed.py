@@ -50,6 +50,11 @@ async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engi
             assert len(responses) == 4 and len(set(responses)) == 4, f"group {group} collapsed: {responses}"
     assert None not in sent and len(set(sent)) == len(sent) // 2  # one seed per sample, the same in both steps
     again, sent_again = await _two_steps(local_engine, seed=1)
-    assert again == first and sent_again == sent  # same ids and logprobs, in the same order
+    assert sent_again == sent
+    # The same tokens in the same order; logprobs equal up to float noise (the CPU engine batches the
+    # concurrent requests differently from run to run, and a batched matmul may round differently).
+    assert [[r[:3] for r in step] for step in again] == [[r[:3] for r in step] for step in first]
+    diffs = [abs(a - b) for s1, s2 in zip(again, first) for r1, r2 in zip(s1, s2) for a, b in zip(r1[3], r2[3])]
+    assert len(diffs) == sum(len(r[3]) for step in first for r in step) and max(diffs) < 1e-4
     other, _ = await _two_steps(local_engine, seed=2)
     assert [r[2] for r in other[0]] != [r[2] for r in first[0]]
