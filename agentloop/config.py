@@ -3,8 +3,8 @@
 This module owns the *shape* of the configuration only: `RuntimeConfig` = `EngineConfig` (which
 engines: the embedded CPU engine, URLs of running SGLang servers, or SGLang servers to launch;
 staged or one-stage wake-up; memory tags) + `SchedulerConfig` (concurrency, GRPO group size,
-timeouts, over-sampling, partial rollout) + `AgentSettings` (mirrors `agentloop.agents.AgentConfig`)
-+ `RayConfig` (Ray mode: cluster address, worker actors, engine placement; used by
+timeouts, over-sampling, partial rollout) + `agentloop.agents.AgentConfig` (the agent loops' own
+model, used here as is: turn limits, sampling, tools) + `RayConfig` (Ray mode: cluster address, worker actors, engine placement; used by
 `agentloop.distributed.RayRuntime`, and by `agentloop rollout` when `ray.enabled`).
 Every field carries a description so the CLI can print documented defaults and embed
 `RuntimeConfig` in its YAML file; unknown keys are rejected (a typo must not be silently ignored).
@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .agents.base import AgentConfig
-from .engine.base import MEMORY_TAGS, SamplingParams
+from .engine.base import MEMORY_TAGS
 
-__all__ = ["AgentSettings", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
+__all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
 
 
 class _Strict(BaseModel):
@@ -115,7 +115,9 @@ class SchedulerConfig(_Strict):
         "and carried over. None: wait for every trajectory.",
     )
     oversample_factor: float = Field(
-        1.0, ge=1.0, description="Prompts to draw per step = ceil(target_groups * oversample_factor) (used by feeders)."
+        1.0, ge=1.0, description="Over-sampling for whoever draws the prompts: a step launches ceil(target_groups * "
+        "oversample_factor) groups. Read by `agentloop rollout` (and by a trainer's feeder through "
+        "`SchedulerConfig.prompts_per_step`); `Runtime.step` runs exactly the samples it is given."
     )
     partial_rollout: bool = Field(
         True,
@@ -136,59 +138,6 @@ class SchedulerConfig(_Strict):
         import math
 
         return math.ceil(self.target_groups * self.oversample_factor)
-
-
-class AgentSettings(_Strict):
-    """Mirror of `agentloop.agents.AgentConfig` (per-run knobs every agent loop understands)."""
-
-    agent: str | None = Field("tool", description="Agent loop (registry name) for samples that name none (None: 'tool').")
-    tools: str | None = Field(None, description="Tool YAML config file. None: the built-in tools.")
-    max_assistant_turns: int = Field(8, ge=1, description="Most model turns in one trajectory.")
-    max_user_turns: int = Field(4, ge=0, description="Most simulated-user turns in one trajectory.")
-    max_response_tokens: int = Field(1024, ge=1, description="Token budget of the whole response (all turns, tool tokens included).")
-    max_context_tokens: int = Field(4096, ge=1, description="Prompt + response may not exceed this (the engine's context).")
-    max_new_tokens_per_turn: int = Field(256, ge=1, description="Most tokens one model turn may generate.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    top_k: int = Field(-1, description="Top-k sampling (-1: off).")
-    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling threshold.")
-    seed: int | None = Field(
-        None,
-        description="Sampling seed (None: unseeded). Each model turn of each sample is sent a seed derived from it, "
-        "the sample's uid, its index in the group and the turn: the samples of a group stay distinct and a re-run "
-        "with the same seed repeats exactly.",
-    )
-    tool_parser: str = Field("hermes", description="Tool-call parser name (see `agentloop.tools.parsers`).")
-    tool_timeout: float = Field(30.0, gt=0, description="Seconds one tool call may take.")
-    max_parallel_calls: int = Field(4, ge=1, description="Tool calls of one turn run concurrently up to this many.")
-    max_tool_response_tokens: int = Field(256, ge=1, description="Tool results are truncated to this many tokens.")
-    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
-        "middle", description="Which part of a long tool result is cut."
-    )
-    extra: dict[str, Any] = Field(default_factory=dict, description="Free settings passed to agent loops in `AgentConfig.extra`.")
-
-    def to_agent_config(self) -> AgentConfig:
-        return AgentConfig(
-            max_assistant_turns=self.max_assistant_turns,
-            max_user_turns=self.max_user_turns,
-            max_response_tokens=self.max_response_tokens,
-            max_context_tokens=self.max_context_tokens,
-            max_new_tokens_per_turn=self.max_new_tokens_per_turn,
-            sampling=SamplingParams(
-                max_new_tokens=self.max_new_tokens_per_turn,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                min_p=self.min_p,
-                sampling_seed=self.seed,
-            ),
-            tool_parser=self.tool_parser,
-            tool_timeout=self.tool_timeout,
-            max_parallel_calls=self.max_parallel_calls,
-            max_tool_response_tokens=self.max_tool_response_tokens,
-            tool_response_truncate_side=self.tool_response_truncate_side,
-            extra=dict(self.extra),
-        )
 
 
 class RayConfig(_Strict):
@@ -244,6 +193,6 @@ class RuntimeConfig(_Strict):
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine servers and their lifecycle.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="How a step's trajectories run.")
-    agent: AgentSettings = Field(default_factory=AgentSettings, description="Agent-loop settings.")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Agent-loop settings (agentloop.agents.AgentConfig).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray mode (agentloop.distributed.RayRuntime): cluster, "
                            "workers, engine placement. Off unless `enabled` (or a RayRuntime is built).")

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .config import RuntimeConfig
 
-#: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise.
+#: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise (and
+#: `agentloop config --show` marks as the command's, next to the library's default).
 #: Small turns keep the default CPU run (16 prompts x 2, 2 steps) well under a minute on 2 cores.
 #: One torch thread for the embedded engine: the tiny model's matmuls are too small to gain from
 #: intra-op threads, and with the rollout process (and anything else) on the same 2 cores, two
@@ -346,12 +347,25 @@ def _flag_note(dotted: str) -> str:
     return f" Flag: {flag}." if dest == dotted else f" Flag: {flag}; or top-level `{dest}:` in this file."
 
 
+def _library_note(dotted: str, value: Any) -> str:
+    """For a `runtime.*` field whose rollout default (`ROLLOUT_RUNTIME_DEFAULTS`) is not the library's
+    (`RuntimeConfig()`, what a trainer's `Runtime` gets), say so, with the library's value."""
+    if not dotted.startswith("runtime."):
+        return ""
+    library: Any = RuntimeConfig()
+    for part in dotted.split(".")[1:]:
+        library = getattr(library, part)
+    if isinstance(library, BaseModel) or library == value:
+        return ""
+    return f" agentloop rollout's default; the library's (Runtime) is {_scalar(library)}."
+
+
 def _render(model: BaseModel, indent: int, prefix: str = "") -> list[str]:
     pad = "  " * indent
     lines: list[str] = []
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
-        desc = (info.description or "") + _flag_note(prefix + name)
+        desc = (info.description or "") + _flag_note(prefix + name) + _library_note(prefix + name, value)
         sub = _model_type(info.annotation)
         if lines and indent == 0:
             lines.append("")
@@ -376,5 +390,7 @@ def defaults_yaml(config: RolloutConfig | None = None) -> str:
     config = config or RolloutConfig()
     head = ["# agentloop rollout configuration (defaults). Pass with: agentloop rollout --config FILE.yaml",
             "# Command-line flags override the file. Unknown keys are errors. The flags' names work as",
-            "# top-level keys too (n: 8, concurrency: 64, engine_url: [http://...]), see 'Flag:' below.", ""]
+            "# top-level keys too (n: 8, concurrency: 64, engine_url: [http://...]), see 'Flag:' below.",
+            "# Where the command's default differs from the library's (a trainer's Runtime), the comment",
+            "# says \"agentloop rollout's default\" and gives the library's value.", ""]
     return "\n".join(head + _render(config, 0)) + "\n"

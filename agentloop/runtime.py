@@ -149,7 +149,7 @@ class Runtime:
             self.scheduler = Scheduler(
                 self.router,
                 tokenizer=self.tokenizer,
-                agent_config=self.config.agent.to_agent_config(),
+                agent_config=self.config.agent,
                 config=scfg,
                 tools=self.tools,
                 interaction=self.interaction,

@@ -18,7 +18,7 @@ STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 class Sample:
     """One prompt row. `messages` is OpenAI chat format; `tools` OpenAI function schemas (or None = the
     agent's configured tools); `agent` picks the agent loop by registry name (None: the runtime's
-    default, `AgentSettings.agent`, itself "tool" by default); `ground_truth` and
+    default, `AgentConfig.agent`, itself "tool" by default); `ground_truth` and
     `reward` (a reward-function name; None: the runtime's default, `SchedulerConfig.reward`) feed the
     reward, with `reward_kwargs` passed to that function as keyword arguments; `extra` is carried
     through untouched."""

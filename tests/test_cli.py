@@ -127,6 +127,22 @@ def test_config_file_accepts_the_flags_names_at_top_level(tmp_path: Path, capsys
     assert "Flag: --n; or top-level `n:` in this file." in shown
 
 
+def test_config_show_marks_the_commands_own_runtime_defaults() -> None:
+    """ROLLOUT_RUNTIME_DEFAULTS (the command's n, concurrency, turn limits, engine threads) are marked in
+    `config --show` with the library's value beside them; fields the command leaves alone are not."""
+    from agentloop.config import RuntimeConfig
+    from agentloop.rollout_config import ROLLOUT_RUNTIME_DEFAULTS
+
+    shown = " ".join(line.strip().lstrip("#").strip() for line in defaults_yaml().splitlines())
+    library = RuntimeConfig()
+    for section, values in ROLLOUT_RUNTIME_DEFAULTS.items():
+        for name in values:
+            lib = getattr(getattr(library, section), name)
+            lib_text = "[]" if lib == [] else str(lib)
+            assert f"agentloop rollout's default; the library's (Runtime) is {lib_text}." in shown, (section, name)
+    assert shown.count("agentloop rollout's default;") == sum(len(v) for v in ROLLOUT_RUNTIME_DEFAULTS.values())
+
+
 def test_rollout_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["rollout", "--help"])

@@ -71,11 +71,33 @@ def test_config_documents_every_field() -> None:
     walk(RuntimeConfig)
     walk(LaunchConfig)
     cfg = RuntimeConfig.model_validate({"agent": {"temperature": 0.5, "max_new_tokens_per_turn": 7, "seed": 3}})
-    ac = cfg.agent.to_agent_config()
+    ac = cfg.agent
     assert ac.sampling.temperature == 0.5 and ac.sampling.max_new_tokens == 7 and ac.sampling.sampling_seed == 3
     assert ac.max_new_tokens_per_turn == 7
     assert cfg.scheduler.prompts_per_step(16) == 16
     assert RuntimeConfig.model_validate({"scheduler": {"target_groups": 8, "oversample_factor": 1.5}}).scheduler.prompts_per_step(16) == 12
+
+
+def test_agent_config_is_one_model_with_typed_knobs() -> None:
+    """`RuntimeConfig.agent` is `AgentConfig` itself; interaction_timeout and chat_template_kwargs are
+    typed settings (older spellings in `extra`, and `sampling=SamplingParams(...)`, still read)."""
+    from agentloop.agents import AgentConfig
+    from agentloop.engine.base import SamplingParams
+
+    assert RuntimeConfig.model_fields["agent"].annotation is AgentConfig
+    cfg = RuntimeConfig.model_validate({"agent": {"interaction_timeout": 5, "chat_template_kwargs": {"enable_thinking": False}}})
+    assert cfg.agent.interaction_timeout == 5.0 and cfg.agent.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValidationError, match="interaction_timeout"):
+        AgentConfig(interaction_timeout="soon")
+    old = AgentConfig(extra={"interaction_timeout": 7, "chat_template_kwargs": {"x": 1}, "mine": 2})
+    assert (old.interaction_timeout, old.chat_template_kwargs, old.extra) == (7.0, {"x": 1}, {"mine": 2})
+    with pytest.raises(ValidationError, match="given twice"):
+        AgentConfig(interaction_timeout=1, extra={"interaction_timeout": 2})
+    ac = AgentConfig(max_new_tokens_per_turn=9, sampling=SamplingParams(temperature=0.0, stop_token_ids=[5], seed=4))
+    assert (ac.temperature, ac.seed, ac.sampling_extra) == (0.0, 4, {"stop_token_ids": [5]})
+    sp = ac.sampling
+    assert (sp.temperature, sp.sampling_seed, sp.stop_token_ids, sp.max_new_tokens) == (0.0, 4, [5], 9)
+    assert AgentConfig(sampling_extra={"repetition_penalty": 1.1}).sampling.to_json()["repetition_penalty"] == 1.1
 
 
 def test_one_stage_wake_up_for_two_steps() -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Mapping, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.base import GenerateOutput, SamplingParams
 from ..types import Sample, Trajectory
@@ -23,22 +25,102 @@ class GenerateFn(Protocol):
     async def __call__(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput: ...
 
 
-@dataclass
-class AgentConfig:
-    """Per-run knobs every loop understands (loops may read more from `extra`)."""
+#: `SamplingParams` fields with a setting of their own in `AgentConfig` (flat, as the YAML spells them).
+_FLAT_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "sampling_seed": "seed"}
 
-    max_assistant_turns: int = 8
-    max_user_turns: int = 4
-    max_response_tokens: int = 1024
-    max_context_tokens: int = 4096
-    max_new_tokens_per_turn: int = 256
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
-    tool_parser: str = "hermes"
-    tool_timeout: float = 30.0
-    max_parallel_calls: int = 4
-    max_tool_response_tokens: int = 256
-    tool_response_truncate_side: str = "middle"  # left | right | middle
-    extra: dict[str, Any] = field(default_factory=dict)
+
+class AgentConfig(BaseModel):
+    """Per-run knobs every agent loop understands. The one model for them: `RuntimeConfig.agent` (the
+    YAML's `runtime.agent`, `agentloop config --show`) is this class. Loops may read more from `extra`.
+
+    `sampling` is the `SamplingParams` of a model turn, built from the flat settings; for code written
+    against the older dataclass, `AgentConfig(sampling=SamplingParams(...))` still works (its fields
+    are spread over the settings, the ones without a setting of their own into `sampling_extra`), and so
+    does `extra={"interaction_timeout": ..., "chat_template_kwargs": ...}`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    agent: str | None = Field("tool", description="Agent loop (registry name) for samples that name none (None: 'tool').")
+    tools: str | None = Field(None, description="Tool YAML config file. None: the built-in tools.")
+    max_assistant_turns: int = Field(8, ge=1, description="Most model turns in one trajectory.")
+    max_user_turns: int = Field(4, ge=0, description="Most simulated-user turns in one trajectory.")
+    max_response_tokens: int = Field(1024, ge=1, description="Token budget of the whole response (all turns, tool tokens included).")
+    max_context_tokens: int = Field(4096, ge=1, description="Prompt + response may not exceed this (the engine's context).")
+    max_new_tokens_per_turn: int = Field(256, ge=1, description="Most tokens one model turn may generate.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, description="Top-k sampling (-1: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling threshold.")
+    seed: int | None = Field(
+        None,
+        description="Sampling seed (None: unseeded). Each model turn of each sample is sent a seed derived from it, "
+        "the sample's uid, its index in the group and the turn: the samples of a group stay distinct and a re-run "
+        "with the same seed repeats exactly.",
+    )
+    sampling_extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More SGLang `sampling_params` sent with every model turn, as given (e.g. {repetition_penalty: "
+        "1.1, stop_token_ids: [7]}).",
+    )
+    tool_parser: str = Field("hermes", description="Tool-call parser name (see `agentloop.tools.parsers`).")
+    tool_timeout: float = Field(30.0, gt=0, description="Seconds one tool call may take.")
+    max_parallel_calls: int = Field(4, ge=1, description="Tool calls of one turn run concurrently up to this many.")
+    max_tool_response_tokens: int = Field(256, ge=1, description="Tool results are truncated to this many tokens.")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        "middle", description="Which part of a long tool result is cut."
+    )
+    interaction_timeout: float = Field(
+        60.0, gt=0, description="Seconds the simulated user (a sample's `interaction`) may take to answer one turn."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the tokenizer's `apply_chat_template`, used for the prompt and every turn "
+        "delta (e.g. {enable_thinking: false}).",
+    )
+    extra: dict[str, Any] = Field(default_factory=dict, description="Free settings for custom agent loops (`ctx.config.extra`).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spellings(cls, data: Any) -> Any:
+        """`sampling=SamplingParams(...)`, and `interaction_timeout`/`chat_template_kwargs` inside `extra`
+        (where they lived before they were settings), read into the settings."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        extra = dict(data.get("extra") or {})
+        for name in ("interaction_timeout", "chat_template_kwargs"):
+            if name in extra:
+                value = extra.pop(name)
+                if name in data and data[name] != value:
+                    raise ValueError(f"`{name}` is given twice, as {data[name]!r} and as extra.{name}={value!r}")
+                data[name], data["extra"] = value, extra
+        if data.get("sampling") is None:
+            data.pop("sampling", None)
+            return data
+        sp = data.pop("sampling")
+        params = (sp if isinstance(sp, SamplingParams) else SamplingParams.from_mapping(sp)).to_json()
+        params.pop("max_new_tokens", None)  # each turn's budget comes from max_new_tokens_per_turn
+        defaults = SamplingParams().to_json()
+        rest = {}
+        for key, value in params.items():
+            name = _FLAT_SAMPLING.get(key)
+            if name is None:
+                if defaults.get(key, object()) != value:
+                    rest[key] = value
+            elif name in data and data[name] != value:
+                raise ValueError(f"`{name}` is given twice, as {data[name]!r} and as sampling.{key}={value!r}")
+            else:
+                data[name] = value
+        data["sampling_extra"] = {**rest, **dict(data.get("sampling_extra") or {})}
+        return data
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampling parameters of one model turn (`max_new_tokens` = `max_new_tokens_per_turn`)."""
+        return SamplingParams.from_mapping({
+            "max_new_tokens": self.max_new_tokens_per_turn, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "sampling_seed": self.seed, **self.sampling_extra})
 
 
 def sample_seed(seed: int, uid: str, index: int, turn: int = 0) -> int:

@@ -68,7 +68,7 @@ class Episode:
         prompt_ids: Sequence[int] | None = None,
     ) -> "Episode":
         """A fresh episode from the sample's prompt, or a continuation of `sample.resume_from`."""
-        kwargs = dict(ctx.config.extra.get("chat_template_kwargs") or {})
+        kwargs = ctx.config.chat_template_kwargs
         old = sample.resume_from
         if old is not None:
             buf = TokenBuffer.from_trajectory(old, ctx.tokenizer, tools, chat_template_kwargs=kwargs)

@@ -109,7 +109,7 @@ class ToolAgent(AgentLoop):
             t0 = ep.clock()
             reply = await ask_user(
                 user, ep.buffer.messages, ep.sample,
-                timeout=float(cfg.extra.get("interaction_timeout", 60.0)),
+                timeout=cfg.interaction_timeout,
             )
             ep.event("user", t0, ep.clock())
             if reply is None:

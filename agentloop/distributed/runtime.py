@@ -275,7 +275,7 @@ class RayRuntime(Runtime):
         self.router = Router(lc, max_retries=scfg.max_turn_retries, failure_threshold=scfg.server_failure_threshold,
                              request_timeout=ecfg.request_timeout)
         self.scheduler = RayScheduler(
-            self.router, self.pool, tokenizer=self.tokenizer, agent_config=cfg.agent.to_agent_config(),
+            self.router, self.pool, tokenizer=self.tokenizer, agent_config=cfg.agent,
             config=scfg, default_agent=cfg.agent.agent,
         )
 

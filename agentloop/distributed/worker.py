@@ -166,7 +166,7 @@ class RolloutWorker:
         self.scheduler = Scheduler(
             self.router,
             tokenizer=tokenizer,
-            agent_config=self.config.agent.to_agent_config(),
+            agent_config=self.config.agent,
             config=scfg,
             tools=tools,
             interaction=interaction,
