@@ -284,7 +284,7 @@ def test_shipped_example_config_loads():
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool"}, {"class_name": "nope.Nope"}]},
          r"tools\[1\]\.class_name: cannot load 'nope.Nope': No module named 'nope'"),
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.Missing"}]}, r"tools\[0\]\.class_name: .*has no attribute 'Missing'"),
-        ({"tools": [{"class_name": "agentloop.tools.registry.ToolRegistry"}]}, r"tools\[0\]\.class_name: .*is not a tool class: no async `execute` method"),
+        ({"tools": [{"class_name": "agentloop.tools.registry.ToolRegistry"}]}, r"tools\[0\]\.class_name: .*is not a tool class: no `execute` method"),
         ({"tools": [{"class_name": "Calculator"}]}, r"tools\[0\]\.class_name: .*not a dotted path"),
         ({"tools": [{"class_name": "agentloop.tools.builtin.calculator.CalculatorTool", "config": {"bogus": 1}}]},
          r"tools\[0\]\.config: CalculatorTool does not accept it: .*bogus"),
@@ -426,6 +426,7 @@ def test_a_duck_typed_tool_class_loads_from_yaml_with_a_schema_override(tmp_path
 
 class SyncExecute:
     name = "sync"
+    runs_on_event_loop = True  # a plain execute would block the loop: refused
     schema = {"type": "function", "function": {"name": "sync", "parameters": {"type": "object"}}}
 
     def execute(self, arguments, context):
@@ -444,7 +445,7 @@ class NotAFunctionSchema(DuckCalculator):
     "obj, message",
     [
         (object(), r"tools\[0\]: object object is not a tool: `name` \(a non-empty str\); `execute` \(async def execute.*; `schema` \(an OpenAI function schema"),
-        (SyncExecute(), r"SyncExecute object is not a tool: `execute` must be an async method"),
+        (SyncExecute(), r"SyncExecute object is not a tool: `execute` must be async when `runs_on_event_loop` is set"),
         (Mismatch(), r"tool name 'other_name' differs from its schema's function name 'duck_calc'"),
         (NotAFunctionSchema(), r"`schema` must be an OpenAI function schema"),
     ],

@@ -12,9 +12,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Mapping, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.base import GenerateOutput, SamplingParams
+from ..tools.truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, check_marker
 from ..types import Sample, Trajectory
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,6 +71,12 @@ class AgentConfig(BaseModel):
     tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
         "middle", description="Which part of a long tool result is cut."
     )
+    max_tool_response_bytes: int = Field(
+        DEFAULT_MAX_BYTES, ge=1, description="UTF-8 bytes of a tool's output kept while it is produced (the rest is "
+        "dropped as it arrives, so a flood or an endless stream keeps memory flat); then max_tool_response_tokens applies.")
+    tool_response_truncation_marker: str = Field(
+        DEFAULT_MARKER, description="Text put where tool output was cut; {n} is the amount dropped and {unit} 'tokens' "
+        "or 'bytes'.")
     interaction_timeout: float = Field(
         60.0, gt=0, description="Seconds the simulated user (a sample's `interaction`) may take to answer one turn."
     )
@@ -79,6 +86,11 @@ class AgentConfig(BaseModel):
         "delta (e.g. {enable_thinking: false}).",
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Free settings for custom agent loops (`ctx.config.extra`).")
+
+    @field_validator("tool_response_truncation_marker")
+    @classmethod
+    def _marker_is_a_template(cls, v: str) -> str:
+        return check_marker(v)
 
     @model_validator(mode="before")
     @classmethod

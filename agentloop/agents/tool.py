@@ -128,14 +128,16 @@ class ToolAgent(AgentLoop):
                 for i, c in enumerate(calls)
             ]
         else:
-            # The registry times out each call; this outer bound (all waves plus slack) keeps a
-            # misbehaving tool from holding the trajectory even if it ignores cancellation.
+            # The registry abandons each call at its timeout whatever the tool does (see
+            # tools.call_thread); this outer bound (all waves plus slack) is the last line.
             waves = math.ceil(len(calls) / max(1, cfg.max_parallel_calls))
             with anyio.fail_after(cfg.tool_timeout * waves + 5.0):
                 results = await ep.ctx.tools.execute_calls(
                     calls, context=tool_ctx, timeout=cfg.tool_timeout, max_parallel=cfg.max_parallel_calls,
                     tokenizer=ep.ctx.tokenizer, max_result_tokens=cfg.max_tool_response_tokens,
                     truncate_side=cfg.tool_response_truncate_side,  # type: ignore[arg-type]
+                    max_result_bytes=cfg.max_tool_response_bytes,
+                    truncation_marker=cfg.tool_response_truncation_marker,
                 )
         t1 = ep.clock()
         ep.event("tool", t0, t1)

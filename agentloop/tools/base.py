@@ -1,8 +1,12 @@
 """The tool contract: what a tool is (`ToolLike`, structurally; `Tool`, a convenient base class), what it
 sees per trajectory (`ToolContext`) and what one call produced (`ToolResult`).
 
-Any object with a `name`, an OpenAI function `schema` and an async `execute(arguments, context)` is a
-tool; subclassing `Tool` is optional. `tool_problems` says what an object lacks.
+Any object with a `name`, an OpenAI function `schema` and an `execute(arguments, context)` is a
+tool; subclassing `Tool` is optional. `tool_problems` says what an object lacks. `execute` may be
+async or plain (a plain one never runs on the event loop) and may return the text, or stream it as a
+(sync or async) iterator of text pieces, which the registry reads only up to its byte limit.
+A tool runs on its own event loop in a thread the step can abandon (`tools.call_thread`), unless it
+sets `runs_on_event_loop`.
 
 Tools are built once per worker and shared by every trajectory, so a tool keeps per-trajectory data in
 `context.state` (created/released by `create_state(context)`/`release_state(context)`), or, verl-style,
@@ -63,8 +67,10 @@ class ToolResult:
 @runtime_checkable
 class ToolLike(Protocol):
     """What the registry needs of a tool. Structural: any object with these members is a tool.
+    `execute` is `async def` or plain `def`, returning text or an iterator of text pieces.
     Optional members: `create_state(context)`/`release_state(context)` or verl's
-    `create(instance_id, **kwargs)`/`release(instance_id, **kwargs)` (see `state_hooks`)."""
+    `create(instance_id, **kwargs)`/`release(instance_id, **kwargs)` (see `state_hooks`), and
+    `runs_on_event_loop` (see `Tool`)."""
 
     name: str
 
@@ -73,7 +79,7 @@ class ToolLike(Protocol):
         """OpenAI function schema `{"type": "function", "function": {"name", "description", "parameters"}}`."""
         ...
 
-    async def execute(self, arguments: dict[str, Any], context: "ToolContext") -> str: ...
+    def execute(self, arguments: dict[str, Any], context: "ToolContext") -> Any: ...
 
 
 def is_async_callable(fn: Any) -> bool:
@@ -87,10 +93,11 @@ def tool_problems(obj: Any) -> list[str]:
     if not isinstance(name, str) or not name:
         problems.append("`name` (a non-empty str)" + ("" if name is None else f", got {name!r}"))
     execute = getattr(obj, "execute", None)
-    if execute is None:
+    if execute is None or not callable(execute):
         problems.append("`execute` (async def execute(self, arguments, context) -> str)")
-    elif not is_async_callable(execute):
-        problems.append("`execute` must be an async method (async def execute(self, arguments, context) -> str)")
+    elif getattr(obj, "runs_on_event_loop", False) and not (
+            is_async_callable(execute) or inspect.isasyncgenfunction(execute)):
+        problems.append("`execute` must be async when `runs_on_event_loop` is set (a plain one would block the event loop)")
     try:
         schema = getattr(obj, "schema", None)
     except Exception as e:  # a schema property that raises
@@ -165,6 +172,12 @@ class Tool(ABC):
 
     name: ClassVar[str] | str = ""
     description: ClassVar[str] | str = ""
+    #: False (default): every call runs on its own event loop in a daemon thread, so a call that blocks,
+    #: ignores cancellation or outlives its timeout is abandoned and the step goes on. True: calls are
+    #: awaited on the worker's event loop — for async tools that share loop-bound state (a per-loop
+    #: limiter, connections made in `create_state`) and promise never to block and to honour
+    #: cancellation; a tool that breaks the promise can stall the step.
+    runs_on_event_loop: ClassVar[bool] = False
     #: JSON schema of the arguments object (OpenAI function `parameters`).
     parameters: ClassVar[dict[str, Any]] | dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -177,9 +190,10 @@ class Tool(ABC):
         }
 
     @abstractmethod
-    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
-        """Run one call and return the text for the model. Raise on failure: the registry turns the
-        exception into an error result; it never ends the trajectory."""
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> Any:
+        """Run one call and return the text for the model (or an iterator of text pieces). Raise on
+        failure: the registry turns the exception into an error result; it never ends the trajectory.
+        May also be overridden by a plain `def` (it then runs in its thread like any call)."""
 
     async def create_state(self, context: ToolContext) -> None:
         """Set up per-trajectory state in `context.state` (called once when a trajectory opens)."""

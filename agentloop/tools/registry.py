@@ -3,9 +3,12 @@ verl-like YAML config), opens/closes their per-trajectory state, hands their
 schemas to chat templates, and executes one turn's calls with timeouts, bounded parallelism and
 argument validation, always returning one `ToolResult` per call in call order.
 
-Nothing a model writes can make `execute_calls` raise: parse errors, unknown tools, arguments that do
-not match the tool's JSON schema, timeouts and exceptions inside tools all become results with
-`ok=False` and an error message written for the model.
+Nothing a model writes, and nothing a tool does, can make `execute_calls` raise or overstay: parse
+errors, unknown tools, arguments that do not match the tool's JSON schema, timeouts, any exception a
+tool raises (`SystemExit`, `KeyboardInterrupt` and `CancelledError` included) and results that cannot
+be made text all become results with `ok=False` and an error message written for the model. Each call
+runs where the step can abandon it (`call_thread`), and its output is bounded in bytes while it is
+produced (`truncate.BoundedText`), then in tokens.
 """
 
 from __future__ import annotations
@@ -13,21 +16,25 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import anyio
 import jsonschema
 import yaml
 
 from .base import (
-    StateHook, Tool, ToolContext, ToolError, ToolLike, ToolResult, function_of, is_async_callable, state_hooks, tool_problems,
+    ErrorKind, StateHook, Tool, ToolContext, ToolError, ToolLike, ToolResult, function_of, state_hooks, tool_problems,
 )
+from .call_thread import run_in_thread, run_on_loop
 from .parsers import ToolCall
-from .truncate import SIDES, Side, truncate_by_tokens
+from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, BoundedText, Side, check_marker, truncate_by_tokens
 
 __all__ = ["ToolRegistry", "ToolConfigError", "load_tool_class"]
 
@@ -40,7 +47,7 @@ class ToolConfigError(ValueError):
 
 def load_tool_class(path: str) -> type[ToolLike]:
     """Import `package.module.ClassName` and check it is a tool class: a `Tool` subclass, or any class
-    with an async `execute` (its instances are checked against `ToolLike` when registered)."""
+    with an `execute` method (its instances are checked against `ToolLike` when registered)."""
     module_name, _, cls_name = path.rpartition(".")
     if not module_name:
         raise ImportError(f"{path!r} is not a dotted path 'package.module.ClassName'")
@@ -51,9 +58,9 @@ def load_tool_class(path: str) -> type[ToolLike]:
         raise ImportError(f"module {module_name!r} has no attribute {cls_name!r}") from None
     if not isinstance(cls, type):
         raise TypeError(f"{path} is a {type(cls).__name__}, not a class")
-    if not (issubclass(cls, Tool) or is_async_callable(getattr(cls, "execute", None))):
+    if not (issubclass(cls, Tool) or callable(getattr(cls, "execute", None))):
         raise TypeError(
-            f"{path} is not a tool class: no async `execute` method "
+            f"{path} is not a tool class: no `execute` method "
             "(subclass agentloop.tools.Tool, or give it name, schema and async execute(arguments, context))"
         )
     return cls
@@ -195,8 +202,10 @@ class ToolRegistry:
             if reg.create is not None:
                 try:
                     await reg.create(context)
-                except Exception as e:
+                except BaseException as e:  # SystemExit & co. included: they fail this trajectory only
                     await self._release(opened, context)
+                    if isinstance(e, anyio.get_cancelled_exc_class()):
+                        raise
                     raise RuntimeError(f"tool {name!r}: create_state failed for trajectory {context.trajectory_id}: {_first_line(e)}") from e
             opened.append(name)
 
@@ -215,7 +224,7 @@ class ToolRegistry:
                     continue
                 try:
                     await release(context)
-                except Exception as e:
+                except BaseException as e:  # noqa: BLE001 - shielded: no cancellation of ours reaches here
                     errors.append(f"tool {name!r}: release_state failed: {_first_line(e)}")
         if errors:
             raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
@@ -257,24 +266,34 @@ class ToolRegistry:
         tokenizer: Any = None,
         max_result_tokens: int | None = None,
         truncate_side: Side = "middle",
+        max_result_bytes: int | None = DEFAULT_MAX_BYTES,
+        truncation_marker: str = DEFAULT_MARKER,
     ) -> list[ToolResult]:
         """Run one turn's calls, at most `max_parallel` at once, each under `timeout` seconds; return
-        their results in call order. With `tokenizer` and `max_result_tokens`, each result's text is
-        truncated by tokens on `truncate_side` (result.truncated says so)."""
+        their results in call order. Each call's output is kept up to `max_result_bytes` UTF-8 bytes
+        while it is produced (None: no byte limit); then, with `tokenizer` and `max_result_tokens`,
+        truncated by tokens. Both cuts are on `truncate_side` and marked with `truncation_marker`
+        (result.truncated says so). Whatever a tool does, this returns within about `timeout` per
+        wave of calls (see `tools.call_thread`)."""
         if max_parallel < 1:
             raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
         if not (timeout > 0):
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if truncate_side not in SIDES:
             raise ValueError(f"truncate_side must be one of {SIDES}, got {truncate_side!r}")
+        check_marker(truncation_marker)
         results: list[ToolResult | None] = [None] * len(calls)
         limiter = anyio.CapacityLimiter(max_parallel)
+        bound = _OutputBound(max_result_bytes, truncate_side, truncation_marker)
 
         async def run_one(i: int, call: ToolCall) -> None:
             async with limiter:
-                res = await self._execute_one(i, call, context, timeout)
+                res = await self._execute_one(i, call, context, timeout, bound)
             if tokenizer is not None and max_result_tokens is not None:
-                text, cut = truncate_by_tokens(res.content, tokenizer, max_result_tokens, truncate_side)
+                # Off the event loop (tokenizing is CPU work), one at a time (tokenizers are not
+                # guaranteed thread-safe); the text is already bounded in bytes.
+                text, cut = await anyio.to_thread.run_sync(
+                    _truncate_locked, res.content, tokenizer, max_result_tokens, truncate_side, truncation_marker)
                 res.content, res.truncated = text, res.truncated or cut
             results[i] = res
 
@@ -283,34 +302,113 @@ class ToolRegistry:
                 tg.start_soon(run_one, i, call)
         return [r for r in results if r is not None]
 
-    async def _execute_one(self, index: int, call: ToolCall, context: ToolContext, timeout: float) -> ToolResult:
+    async def _execute_one(self, index: int, call: ToolCall, context: ToolContext, timeout: float,
+                           bound: "_OutputBound") -> ToolResult:
         problem = self.check_call(call)
         if problem is not None:
             kind, msg = problem
             return ToolResult(index, call.name, msg, ok=False, error_kind=kind, call_id=call.id)  # type: ignore[arg-type]
         tool = self._tools[call.name].tool  # type: ignore[index]
+        name = call.name
+        sink = bound.sink()
+        arguments = dict(call.arguments or {})
+
+        async def work() -> None:
+            out = tool.execute(arguments, context)
+            if inspect.isawaitable(out):
+                out = await out
+            await _collect(out, sink, name)  # type: ignore[arg-type]
+
         t0 = time.monotonic()
-        scope: anyio.CancelScope | None = None
-        try:
-            with anyio.fail_after(timeout) as scope:
-                out = await tool.execute(dict(call.arguments or {}), context)
-        except TimeoutError as e:
-            if scope is not None and scope.cancelled_caught:  # ours, not one raised inside the tool
-                return ToolResult(index, call.name, f"Error: tool {call.name!r} timed out after {timeout:g} seconds", ok=False,
-                                  error_kind="timeout", seconds=time.monotonic() - t0, call_id=call.id)
-            return ToolResult(index, call.name, f"Error: {_describe(e)}", ok=False,
-                              error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
-        except ToolError as e:
-            return ToolResult(index, call.name, f"Error: {e}", ok=False, error_kind=e.kind,
-                              seconds=time.monotonic() - t0, call_id=call.id)
-        except Exception as e:  # a tool bug or a failing call: the model gets the message, the trajectory goes on
+        if getattr(tool, "runs_on_event_loop", False):
+            outcome = await run_on_loop(work, timeout=timeout)
+        else:
+            outcome = await run_in_thread(work, timeout=timeout, name=name or "")
+        seconds = time.monotonic() - t0
+
+        def error(text: str, kind: ErrorKind) -> ToolResult:
+            return ToolResult(index, name, text, ok=False, error_kind=kind, seconds=seconds, call_id=call.id,
+                              truncated=sink.truncated)
+
+        if outcome.timed_out:
+            partial = sink.text()
+            more = f"; its output so far:\n{partial}" if partial else ""
+            return error(f"Error: tool {name!r} timed out after {timeout:g} seconds{more}", "timeout")
+        e = outcome.error
+        if isinstance(e, ToolError):
+            return error(f"Error: {e}", e.kind)
+        if e is not None:
             # Not a ToolError, so possibly a bug in the tool: keep the traceback for whoever runs the worker.
-            logger.warning("tool %r raised in trajectory %s", call.name, context.trajectory_id, exc_info=True)
-            return ToolResult(index, call.name, f"Error: {_describe(e)}", ok=False,
-                              error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
-        if not isinstance(out, str):
-            out = str(out)
-        return ToolResult(index, call.name, out, seconds=time.monotonic() - t0, call_id=call.id)
+            logger.warning("tool %r raised in trajectory %s", name, context.trajectory_id, exc_info=e)
+            return error(f"Error: {_describe(e)}", "exception")
+        return ToolResult(index, name, sink.text(), seconds=seconds, call_id=call.id, truncated=sink.truncated)
+
+
+_tokenizer_lock = threading.Lock()
+
+
+def _truncate_locked(text: str, tokenizer: Any, max_tokens: int, side: Side, marker: str) -> tuple[str, bool]:
+    with _tokenizer_lock:
+        return truncate_by_tokens(text, tokenizer, max_tokens, side, marker)
+
+
+@dataclass(frozen=True)
+class _OutputBound:
+    """How much of a call's output is kept while it is produced, and how a cut is marked."""
+
+    max_bytes: int | None
+    side: Side
+    marker: str
+
+    def sink(self) -> BoundedText:
+        return BoundedText(sys.maxsize if self.max_bytes is None else self.max_bytes, self.side, self.marker)
+
+
+class _ResultTextError(Exception):
+    """A tool's result cannot be turned into text (its `__str__` raised, a piece is not text)."""
+
+
+def _as_text(value: Any, name: str | None) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    try:
+        text = str(value)
+    except Exception as e:  # a result object with a broken __str__: say so, not a bare traceback
+        raise _ResultTextError(f"tool {name!r} returned a {type(value).__name__} whose str() raised {_describe(e)}") from e
+    if not isinstance(text, str):
+        raise _ResultTextError(f"tool {name!r} returned a {type(value).__name__} whose str() is not a string")
+    return text
+
+
+async def _collect(out: Any, sink: BoundedText, name: str | None) -> None:
+    """Feed a tool's result into `sink`: a text (or anything `str()` turns into one), or a stream of
+    pieces (a sync or async iterator), read only until the sink is full (head-only) or it ends."""
+    if isinstance(out, AsyncIterator):
+        try:
+            async for piece in out:
+                sink.feed(_as_text(piece, name))
+                if sink.full:
+                    sink.stopped_early = True
+                    break
+        finally:
+            aclose = getattr(out, "aclose", None)
+            if aclose is not None:
+                await aclose()
+    elif isinstance(out, Iterator) and not isinstance(out, (str, bytes)):
+        try:
+            for piece in out:
+                sink.feed(_as_text(piece, name))
+                if sink.full:
+                    sink.stopped_early = True
+                    break
+        finally:
+            close = getattr(out, "close", None)
+            if close is not None:
+                close()
+    else:
+        sink.feed(_as_text(out, name))
 
 
 def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -150,6 +150,9 @@ class PythonTool(Tool):
     """Run Python code (argument `code`) in a sandboxed subprocess; returns what it printed."""
 
     name = "python"
+    # Its per-loop limiter (max_concurrent) must be shared by all calls, and it never blocks the loop
+    # and kills its child on cancellation: it runs on the worker's loop, not a thread of its own.
+    runs_on_event_loop = True
     description = (
         "Run a Python 3 program and return what it prints (stdout, then stderr). Only the standard "
         "library is available; no network, no subprocesses; files may be written in the current directory only. "
