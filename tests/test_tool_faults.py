@@ -273,3 +273,43 @@ async def test_state_hooks_raising_system_exit_fail_the_trajectory_not_the_proce
 
     with pytest.raises(RuntimeError, match="create_state failed .*: 4"):
         await ToolRegistry([BadCreate()]).open_trajectory(_ctx())
+
+
+# ------------------------------------------------------------------------------- pathological calls
+@pytest.mark.parametrize("parser", ["hermes", "llama3"])
+def test_parsers_refuse_a_call_nested_3000_levels_deep_and_an_oversized_call(parser: str) -> None:
+    from agentloop.tools import get_parser
+    from agentloop.tools.parsers import MAX_CALL_CHARS, MAX_CALL_DEPTH
+
+    deep = '{"name": "calculator", "arguments": {"expression": ' + "[" * 3000 + "]" * 3000 + "}}"
+    huge = '{"name": "calculator", "arguments": {"expression": "' + "1" * (MAX_CALL_CHARS + 10) + '"}}'
+    nested_string = '{"name": "calculator", "arguments": "{\\"e\\": ' + "[" * 3000 + "]" * 3000 + '}"}'
+    wrap = (lambda j: f"<tool_call>\n{j}\n</tool_call>") if parser == "hermes" else (lambda j: "<|python_tag|>" + j)
+    p = get_parser(parser)
+    for body, says in ((deep, f"nested too deeply (more than {MAX_CALL_DEPTH} levels)"),
+                       (huge, f"more than the limit of {MAX_CALL_CHARS}"),
+                       (nested_string, "nested too deeply")):
+        _, calls = p.parse(wrap(body))
+        assert len(calls) == 1 and not calls[0].ok and says in calls[0].error, calls[0].error
+    ok = '{"name": "calculator", "arguments": {"e": ' + "[" * 40 + "]" * 40 + "}}"
+    assert p.parse(wrap(ok))[1][0].ok  # deep but sane nesting still parses
+
+
+async def test_a_trajectory_with_a_3000_deep_call_gets_a_clear_error_turn_and_goes_on() -> None:
+    try:
+        from test_agents import ScriptedEngine, make_ctx
+        from test_chat_templates import qwen_style_tokenizer
+    except ImportError:  # tests/ imported as a package
+        from tests.test_agents import ScriptedEngine, make_ctx
+        from tests.test_chat_templates import qwen_style_tokenizer
+    from agentloop.agents import get_agent
+    from agentloop.types import Sample
+
+    deep = '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "[" * 3000 + "]" * 3000 + "}}\n</tool_call>"
+    eng = ScriptedEngine(qwen_style_tokenizer(), [deep, "The answer is 2."])
+    s = Sample(uid="deep", messages=[{"role": "user", "content": "What is 1 + 1?"}])
+    traj = await get_agent("tool").run(s, make_ctx(eng, ToolRegistry([CalculatorTool()]), max_response_tokens=100_000,
+                                                   max_context_tokens=100_000, max_new_tokens_per_turn=100_000))
+    assert traj.status == "completed", traj.error
+    tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert tool_msgs == ["Error: could not parse tool call: tool call JSON is nested too deeply (more than 64 levels)"]

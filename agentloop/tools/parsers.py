@@ -2,7 +2,8 @@
 
 A parser never raises on model output: a malformed call (bad JSON, no name, an unterminated tag) comes
 back as a `ToolCall` with `error` set, so the agent loop can answer the model with the error as the tool
-result. Formats plug in with `@register_parser("name")`; built-in: `hermes` (alias `qwen`, `qwen25`) and `llama3` (Llama 3.1/3.2 JSON calls).
+result. So does a pathological one: JSON nested deeper than `MAX_CALL_DEPTH` levels or a call longer
+than `MAX_CALL_CHARS` characters is refused with a message saying so (never a RecursionError). Formats plug in with `@register_parser("name")`; built-in: `hermes` (alias `qwen`, `qwen25`) and `llama3` (Llama 3.1/3.2 JSON calls).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ __all__ = [
     "registered_parsers",
     "format_hermes_call",
     "format_llama3_calls",
+    "CallTooComplex",
+    "MAX_CALL_DEPTH",
+    "MAX_CALL_CHARS",
 ]
 
 
@@ -83,6 +87,45 @@ def registered_parsers() -> list[str]:
     return sorted(_PARSERS)
 
 
+#: Most nesting levels (objects and arrays) a tool call's JSON may have; deeper is refused.
+MAX_CALL_DEPTH = 64
+#: Most characters one tool call's JSON may have; longer is refused.
+MAX_CALL_CHARS = 1_000_000
+
+
+class CallTooComplex(ValueError):
+    """A tool call's JSON is nested too deeply or too long (the message says which, and the limit)."""
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of decoded JSON (iterative: a deep value must not recurse here either)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        if isinstance(o, list):
+            deepest = max(deepest, d)
+            if d > MAX_CALL_DEPTH:
+                break
+            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return deepest
+
+
+def decode_json(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int]:
+    """`decoder.raw_decode(text, pos)` within the limits: raises json.JSONDecodeError for bad JSON and
+    `CallTooComplex` for JSON longer than `MAX_CALL_CHARS` or nested deeper than `MAX_CALL_DEPTH`."""
+    try:
+        obj, end = decoder.raw_decode(text, pos)
+    except RecursionError:
+        raise CallTooComplex(f"tool call JSON is nested too deeply (more than {MAX_CALL_DEPTH} levels)") from None
+    if end - pos > MAX_CALL_CHARS:
+        raise CallTooComplex(f"tool call JSON is {end - pos} characters long, more than the limit of {MAX_CALL_CHARS}")
+    if _depth(obj) > MAX_CALL_DEPTH:
+        raise CallTooComplex(f"tool call JSON is nested too deeply (more than {MAX_CALL_DEPTH} levels)")
+    return obj, end
+
+
 def _normalize_call(obj: Any) -> tuple[str | None, dict[str, Any] | None, str | None]:
     """(name, arguments, error) from a decoded `{"name": ..., "arguments": ...}` object."""
     if not isinstance(obj, dict):
@@ -94,9 +137,11 @@ def _normalize_call(obj: Any) -> tuple[str | None, dict[str, Any] | None, str | 
     args: Any = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = decode_json(json.JSONDecoder(), args, len(args) - len(args.lstrip()))[0] if args.strip() else {}
         except json.JSONDecodeError as e:
             return name, None, f'"arguments" of {name!r} is a string that is not valid JSON: {e}'
+        except CallTooComplex as e:
+            return name, None, f'"arguments" of {name!r}: {e}'
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -135,7 +180,11 @@ class HermesToolCallParser(ToolCallParser):
         body = start + len(self.open_tag)
         j = self._ws.match(text, body).end()  # type: ignore[union-attr]
         try:
-            obj, end = self._decoder.raw_decode(text, j)
+            obj, end = decode_json(self._decoder, text, j)
+        except CallTooComplex as e:
+            close = text.find(self.close_tag, body)
+            end = len(text) if close < 0 else close + len(self.close_tag)
+            return ToolCall(None, None, text[start:end], str(e)), end
         except json.JSONDecodeError as e:
             close = text.find(self.close_tag, body)
             if close < 0:
@@ -176,9 +225,11 @@ class Llama3ToolCallParser(ToolCallParser):
         if stripped.startswith("{"):
             start = len(text) - len(stripped)
             try:
-                obj, _ = self._decoder.raw_decode(text, start)
+                obj, _ = decode_json(self._decoder, text, start)
             except json.JSONDecodeError:
                 return text.strip(), []
+            except CallTooComplex:  # as a call it is refused below, with the reason
+                return "", self._parse_calls(text, start)
             if isinstance(obj, dict) and "name" in obj:
                 return "", self._parse_calls(text, start)
         return text.strip(), []
@@ -192,7 +243,10 @@ class Llama3ToolCallParser(ToolCallParser):
             if pos >= n:
                 return calls
             try:
-                obj, end = self._decoder.raw_decode(text, pos)
+                obj, end = decode_json(self._decoder, text, pos)
+            except CallTooComplex as e:
+                calls.append(ToolCall(None, None, text[pos:], str(e)))
+                return calls
             except json.JSONDecodeError as e:
                 calls.append(ToolCall(None, None, text[pos:], f"invalid JSON in tool call: {e.msg} at char {e.pos - pos}"))
                 return calls
