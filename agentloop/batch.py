@@ -12,24 +12,84 @@ response (or the `pad_to` lengths):
 - `rollout_log_probs` [B, R] the engine's logprob of each sampled token, 0 elsewhere,
 - `token_level_rewards` [B, R] the trajectory's reward at its last response token, 0 elsewhere,
 - `rewards` [B] the scalar reward (0 where none),
+- `trainable` [B] 1 for a trajectory that ran to its end (completed or truncated), 0 for a failed or
+  aborted one: a failed trajectory's reward of None shows up as 0.0 in `rewards`, so a trainer must
+  drop or mask the rows with `trainable == 0` (the verl/TRL adapters in `agentloop.integrations` do),
+- `token_weight_versions` [B, R] the weight version that sampled each mask-1 token, as an int (see
+  `weight_version_number`), -1 on mask-0 tokens and padding (a partial rollout can mix versions),
 
-plus per-sample lists (uids, group_ids, statuses, ...). The mask-1 tokens are copied verbatim from the
-trajectories: nothing is decoded or re-tokenized here.
+plus per-sample lists (uids, group_ids, statuses, ...). `ragged` gives the same data unpadded, one
+list per trajectory. The mask-1 tokens are copied verbatim from the trajectories: nothing is decoded
+or re-tokenized here.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence, TypedDict
 
 import torch
 
-from .types import Trajectory
+from .types import FINISHED_OK, Trajectory
 
-__all__ = ["RolloutBatch", "collate", "CollateError"]
+__all__ = ["CollateError", "RaggedBatch", "RolloutBatch", "collate", "ragged", "token_weight_versions", "weight_version_number"]
 
 
 class CollateError(ValueError):
     """The trajectories cannot be collated (inconsistent lengths, longer than `pad_to`, ...)."""
+
+
+_TRAILING_INT = re.compile(r"(\d+)$")
+
+
+def weight_version_number(version: str) -> int:
+    """A weight version as an int: its trailing number ("v3" -> 3, "step-12" -> 12, "7" -> 7); a version
+    without one ("default": the weights the server started with) is 0. Versions agentloop assigns are
+    "v1", "v2", ... in load order; give your own versions a trailing step number to keep them ordered."""
+    m = _TRAILING_INT.search(version or "")
+    return int(m.group(1)) if m else 0
+
+
+def token_weight_versions(t: Trajectory) -> list[int]:
+    """Per response token: the number of the weight version that sampled it (its turn's), -1 on mask-0 tokens."""
+    out = [-1] * len(t.response_ids)
+    for turn in t.turns:
+        v = weight_version_number(turn.weight_version)
+        out[turn.start:turn.start + turn.length] = [v] * turn.length
+    return out
+
+
+class RaggedBatch(TypedDict):
+    """The step's data without padding: one list per trajectory, row-aligned with `RolloutBatch`."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_mask: list[list[int]]  #: 1 = sampled by the policy
+    rollout_log_probs: list[list[float]]  #: the engine's logprobs at mask-1 positions, 0.0 elsewhere
+    token_weight_versions: list[list[int]]  #: see `token_weight_versions`
+    rewards: list[float | None]  #: None where the trajectory was not scored
+    trainable: list[int]  #: 1 = completed/truncated, 0 = failed/aborted
+    uids: list[str]
+    group_ids: list[str]
+    index_in_group: list[int]
+    statuses: list[str]
+
+
+def ragged(trajectories: Sequence[Trajectory]) -> RaggedBatch:
+    """The trajectories as unpadded per-trajectory lists (copies: editing them leaves the trajectories alone)."""
+    return RaggedBatch(
+        prompt_ids=[list(t.prompt_ids) for t in trajectories],
+        response_ids=[list(t.response_ids) for t in trajectories],
+        response_mask=[list(t.response_mask) for t in trajectories],
+        rollout_log_probs=[[lp if m else 0.0 for lp, m in zip(t.response_logprobs, t.response_mask)] for t in trajectories],
+        token_weight_versions=[token_weight_versions(t) for t in trajectories],
+        rewards=[t.reward for t in trajectories],
+        trainable=[int(t.status in FINISHED_OK) for t in trajectories],
+        uids=[t.uid for t in trajectories],
+        group_ids=[t.group_id for t in trajectories],
+        index_in_group=[t.index_in_group for t in trajectories],
+        statuses=[t.status for t in trajectories],
+    )
 
 
 class RolloutBatch(TypedDict):
@@ -44,6 +104,8 @@ class RolloutBatch(TypedDict):
     rollout_log_probs: torch.Tensor  #: [B, R] float32, engine logprobs at mask-1 positions, else 0
     token_level_rewards: torch.Tensor  #: [B, R] float32, reward at the last response token
     rewards: torch.Tensor  #: [B] float32, scalar reward per trajectory (0.0 where None)
+    trainable: torch.Tensor  #: [B] long, 1 = completed/truncated, 0 = failed/aborted (drop or mask these rows)
+    token_weight_versions: torch.Tensor  #: [B, R] long, weight version number of each mask-1 token, else -1
     prompt_lengths: torch.Tensor  #: [B] long
     response_lengths: torch.Tensor  #: [B] long
     uids: list[str]
@@ -101,6 +163,7 @@ def collate(
     logprobs = torch.zeros((b, r_len), dtype=torch.float32)
     token_rewards = torch.zeros((b, r_len), dtype=torch.float32)
     rewards = torch.zeros(b, dtype=torch.float32)
+    versions = torch.full((b, r_len), -1, dtype=torch.long)
 
     for i, t in enumerate(trajectories):
         n_p, n_r = len(t.prompt_ids), len(t.response_ids)
@@ -114,6 +177,7 @@ def collate(
             response_mask[i, :n_r] = mask
             # logprobs only where sampled: mask-0 positions may carry placeholders in the trajectory
             logprobs[i, :n_r] = torch.tensor(t.response_logprobs, dtype=torch.float32) * mask
+            versions[i, :n_r] = torch.tensor(token_weight_versions(t), dtype=torch.long)
         reward = float(t.reward) if t.reward is not None else 0.0
         rewards[i] = reward
         if n_r:
@@ -132,6 +196,8 @@ def collate(
         rollout_log_probs=logprobs,
         token_level_rewards=token_rewards,
         rewards=rewards,
+        trainable=torch.tensor([int(t.status in FINISHED_OK) for t in trajectories], dtype=torch.long),
+        token_weight_versions=versions,
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
         response_lengths=torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long),
         uids=[t.uid for t in trajectories],

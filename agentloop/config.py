@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .agents.base import AgentConfig
 from .engine.base import MEMORY_TAGS
@@ -119,6 +119,19 @@ class SchedulerConfig(_Strict):
         "oversample_factor) groups. Read by `agentloop rollout` (and by a trainer's feeder through "
         "`SchedulerConfig.prompts_per_step`); `Runtime.step` runs exactly the samples it is given."
     )
+    group_filter: str | None = Field(
+        None,
+        description="Group filter (registered name, see `agentloop.group_filters`; built-in: drop_zero_variance) "
+        "applied to every complete group: a rejected group leaves the batch and, with target_groups, does not count "
+        "toward it (the step samples more prompts from `more_samples` instead). None: every group is kept.",
+    )
+    group_budget: int | None = Field(
+        None,
+        ge=1,
+        description="With target_groups and a group filter: most groups one step may sample (the given prompts "
+        "plus those drawn from `more_samples`); reaching it ends the step short of target_groups, reported as "
+        "budget_exhausted. None: until `more_samples` runs out.",
+    )
     partial_rollout: bool = Field(
         True,
         description="Carry aborted trajectories over and continue them next step (True), or restart their prompts "
@@ -130,6 +143,15 @@ class SchedulerConfig(_Strict):
     server_failure_threshold: int = Field(
         2, ge=1, description="Consecutive failed requests after which a server is taken out of the rotation."
     )
+
+    @field_validator("group_filter")
+    @classmethod
+    def _known_group_filter(cls, v: str | None) -> str | None:
+        if v is not None:
+            from .group_filters import get_group_filter
+
+            get_group_filter(v)  # raises naming the registered filters
+        return v
 
     def prompts_per_step(self, default: int) -> int:
         """How many prompts a feeder should draw: `default`, or the over-sampled count if `target_groups` is set."""

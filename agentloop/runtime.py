@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import anyio
 import anyio.from_thread
@@ -234,6 +234,7 @@ class Runtime:
         *,
         on_trajectory: OnTrajectory | None = None,
         pad_to: tuple[int | None, int | None] | None = None,
+        more_samples: Iterable[Sample] | None = None,
         **overrides: Any,
     ) -> StepResult:
         """Wake the engines with `weights` (staged), run every sample's agent loop, collate, sleep.
@@ -245,6 +246,9 @@ class Runtime:
         `overrides` replace scheduler settings for this step (e.g. `n=4`, `target_groups=8`).
         `pad_to=(prompt_len, response_len)` pads the batch to fixed lengths (either None = the batch's
         longest); a trajectory longer than that raises `StepCollateError`, which keeps the step's results.
+        `more_samples` (an iterator of fresh `Sample`s) feeds the group filter's over-sampling: with
+        `group_filter` and `target_groups`, prompts are drawn from it while rejected groups keep the
+        step short of the target (see `agentloop.scheduler`); rejected groups are on `StepResult.rejected`.
         """
         pad_to = check_pad_to(pad_to)
         samples = self._as_samples(samples)
@@ -271,7 +275,8 @@ class Runtime:
             try:
                 version = await lc.wake_up(weights)
                 t_awake = time.monotonic()
-                result = await self.scheduler.run(samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory)
+                result = await self.scheduler.run(samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory,
+                                                  more_samples=more_samples)
             finally:
                 t_rolled = time.monotonic()
                 with anyio.CancelScope(shield=True):
@@ -309,7 +314,7 @@ class Runtime:
             )
             return StepResult(
                 step=self.steps_done, weight_version=version, trajectories=result.trajectories, batch=batch,
-                carry_over=result.carry_over, metrics=metrics,
+                carry_over=result.carry_over, metrics=metrics, rejected=result.rejected,
             )
 
     def _as_samples(self, samples: Sequence[Sample | Mapping[str, Any]]) -> list[Sample]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from .batch import RolloutBatch
+from .batch import RaggedBatch, RolloutBatch, ragged
 from .types import Sample, Trajectory
 
 __all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
@@ -48,7 +48,13 @@ def check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
 
 @dataclass
 class StepResult:
-    """One step's output. Pass `carry_over` (+ new prompts) to the next `step` for partial rollout."""
+    """One step's output. Pass `carry_over` (+ new prompts) to the next `step` for partial rollout.
+
+    `batch` is the padded tensor batch, `ragged` the same rows unpadded (per-trajectory lists, built
+    from `trajectories` when not given); both carry `trainable` (0 = failed/aborted: drop or mask)
+    and per-token weight versions. `rejected` holds the trajectories of groups the group filter
+    turned away (not in `trajectories` or the batch). `agentloop.integrations` converts a
+    StepResult for verl and TRL."""
 
     step: int
     weight_version: str | None
@@ -56,6 +62,12 @@ class StepResult:
     batch: RolloutBatch
     carry_over: list[Sample] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    rejected: list[Trajectory] = field(default_factory=list)
+    ragged: RaggedBatch = None  # type: ignore[assignment]  # filled in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.ragged is None:
+            self.ragged = ragged(self.trajectories)
 
 
 class StepStream:

@@ -21,6 +21,15 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
   back as `carry_over` samples (`Sample.resume_from` = the partial trajectory, each turn tagged with
   its weight_version) to be passed to the next step, so nothing is lost and exactly `target_groups`
   complete groups are returned.
+- **Group filtering**: with `group_filter` (a predicate over a complete group, see
+  `agentloop.group_filters`; built-in `drop_zero_variance`) a complete group is accepted or rejected
+  when its last member finishes. Rejected groups leave the batch (`ScheduleResult.rejected`, never
+  emitted to `on_trajectory`) and do not count toward `target_groups`; while accepted + running
+  groups fall short of `target_groups`, fresh prompts are drawn from `more_samples` (an iterator of
+  samples, e.g. the trainer's dataloader) until the target is reached, `group_budget` groups were
+  sampled, or the iterator runs out. Metrics: `groups_accepted`, `groups_rejected`, `groups_sampled`,
+  `budget_exhausted` (the step ended short of `target_groups`) and `groups_budget_exhausted` (how many
+  short).
 
 Each trajectory gets `metrics` (queue/wait/generate/tool seconds) and "queue"/"wait" timeline spans.
 """
@@ -34,7 +43,7 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -43,7 +52,8 @@ from . import rewards
 from .agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
 from .config import SchedulerConfig
 from .engine.router import RouteSession, Router
-from .types import STATUSES, Sample, TimelineEvent, Trajectory
+from .group_filters import GroupFilter, get_group_filter
+from .types import FINISHED_OK, STATUSES, Sample, TimelineEvent, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +61,6 @@ __all__ = ["ScheduleResult", "Scheduler", "expand_samples"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 RewardFn = Callable[..., Any]  #: sync or async; see `agentloop.rewards.call_reward`
-FINISHED_OK = ("completed", "truncated")
 
 
 @dataclass
@@ -63,6 +72,8 @@ class ScheduleResult:
     #: Samples to pass to the next step: members of groups not finished this step (partial rollout).
     carry_over: list[Sample] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    #: Trajectories of complete groups the group filter rejected (not in `trajectories`).
+    rejected: list[Trajectory] = field(default_factory=list)
 
 
 def expand_samples(samples: Sequence[Sample], n: int) -> list[Sample]:
@@ -89,7 +100,8 @@ class _Group:
         self.size = size
         self.done = 0
         self.ok = 0
-        self.counted = False  # one of the first `target_groups` complete groups
+        self.counted = False  # accepted: one of the first `target_groups` complete groups that pass the filter
+        self.rejected = False  # complete, but the group filter rejected it
 
 
 class Scheduler:
@@ -133,9 +145,11 @@ class Scheduler:
         *,
         on_trajectory: OnTrajectory | None = None,
         config: SchedulerConfig | None = None,
+        more_samples: Iterable[Sample] | None = None,
     ) -> ScheduleResult:
-        """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault."""
-        run = _ScheduleRun(self, config or self.config, on_trajectory)
+        """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault.
+        `more_samples` supplies fresh prompts while a group filter keeps the step short of `target_groups`."""
+        run = _ScheduleRun(self, config or self.config, on_trajectory, more_samples)
         self._runs.append(run)
         try:
             return await run.run(samples)
@@ -152,10 +166,21 @@ class Scheduler:
 class _ScheduleRun:
     """The state of one `Scheduler.run` call."""
 
-    def __init__(self, sched: Scheduler, cfg: SchedulerConfig, on_trajectory: OnTrajectory | None) -> None:
+    def __init__(self, sched: Scheduler, cfg: SchedulerConfig, on_trajectory: OnTrajectory | None,
+                 more_samples: Iterable[Sample] | None = None) -> None:
         self.s = sched
         self.cfg = cfg
         self.on_trajectory = on_trajectory
+        self.filter: GroupFilter | None = get_group_filter(cfg.group_filter) if cfg.group_filter else None
+        #: Emit and classify whole groups (target_groups or a filter), not single trajectories.
+        self.grouped = cfg.target_groups is not None or self.filter is not None
+        self.more: Iterator[Sample] | None = iter(more_samples) if more_samples is not None else None
+        self.rejected_groups = 0
+        self.filter_errors = 0
+        self.refill_stop = ""  # why drawing from more_samples stopped, if it did
+        self.external_stop = False  # stopped from outside (a sleep), not by reaching the target
+        self.limit: anyio.Semaphore | None = None
+        self.t0 = 0.0
         self.clock = sched.clock
         self.results: list[Trajectory | None] = []
         self.jobs: list[Sample] = []
@@ -171,25 +196,35 @@ class _ScheduleRun:
         self._deadline_added = anyio.Event()
 
     async def run(self, samples: Sequence[Sample]) -> ScheduleResult:
-        self.jobs = expand_samples(samples, self.cfg.n)
-        for i, j in enumerate(self.jobs):
-            self.members.setdefault(j.group_id, []).append(i)
-        self.groups = {g: _Group(len(idx)) for g, idx in self.members.items()}
-        self.results = [None] * len(self.jobs)
-        if self.cfg.target_groups is not None and self.cfg.target_groups > len(self.groups):
+        self._add_jobs(expand_samples(samples, self.cfg.n))
+        if self.cfg.target_groups is not None and self.cfg.target_groups > len(self.groups) and self.more is None:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", self.cfg.target_groups, len(self.groups))
-        t0 = self.clock()
-        limit = anyio.Semaphore(self.cfg.concurrency)
+        self.t0 = t0 = self.clock()
+        self.limit = anyio.Semaphore(self.cfg.concurrency)
         async with anyio.create_task_group() as outer:
             if self.cfg.trajectory_timeout is not None:
                 outer.start_soon(self._watch_deadlines)
             async with anyio.create_task_group() as tg:
                 self.tg = tg
                 for i in range(len(self.jobs)):
-                    tg.start_soon(self._one, i, limit, t0)
+                    tg.start_soon(self._one, i, self.limit, t0)
+                self._refill()  # fewer groups given than the target: draw the rest now
             outer.cancel_scope.cancel()  # every trajectory is done: the deadline watcher ends
         wall = self.clock() - t0
         return self._result(wall)
+
+    def _add_jobs(self, jobs: Sequence[Sample]) -> range:
+        """Register group members (the step's samples, or a prompt drawn later); their indices."""
+        first = len(self.jobs)
+        self.jobs.extend(jobs)
+        self.results.extend([None] * len(jobs))
+        added: dict[str, list[int]] = {}
+        for i, j in enumerate(jobs, start=first):
+            added.setdefault(j.group_id, []).append(i)
+        for g, idx in added.items():
+            self.members.setdefault(g, []).extend(idx)
+            self.groups[g] = _Group(len(self.members[g]))
+        return range(first, len(self.jobs))
 
     # ------------------------------------------------------------------ one trajectory
     async def _one(self, i: int, limit: anyio.Semaphore, t_queued: float) -> None:
@@ -347,27 +382,78 @@ class _ScheduleRun:
         g.done += 1
         g.ok += traj.status in FINISHED_OK
         target = self.cfg.target_groups
-        if target is None:
+        if not self.grouped:
             if not self._carry(traj):
                 await self._emit([i])
             return
         if g.done < g.size:
             return
+        idx = self.members[job.group_id]
         if g.ok == g.size:
-            if self.complete_groups < target:
-                g.counted = True
-                self.complete_groups += 1
-                await self._emit(self.members[job.group_id])
-                if self.complete_groups == target:
-                    self._early_stop()
-        elif not any(self._carry(self.results[k]) for k in self.members[job.group_id]):
-            await self._emit(self.members[job.group_id])  # finished with a failure: final, not carried
+            if target is not None and self.complete_groups >= target:
+                return  # past the target: carried over
+            if not self._accepts(job.group_id):
+                g.rejected = True
+                self.rejected_groups += 1
+                self._refill()
+                return
+            g.counted = True
+            self.complete_groups += 1
+            await self._emit(idx)
+            if self.complete_groups == target:
+                self._early_stop()
+            self._refill()
+        elif not any(self._carry(self.results[k]) for k in idx):
+            await self._emit(idx)  # finished with a failure: final, not carried, not counted
+            self._refill()
+
+    def _accepts(self, group_id: str) -> bool:
+        """The group filter's verdict on a complete group (no filter: accepted). A filter that raises
+        keeps the group (its data is not thrown away for the filter's fault) and is counted."""
+        if self.filter is None:
+            return True
+        group = [self.results[k] for k in self.members[group_id]]
+        try:
+            return bool(self.filter(group))  # type: ignore[arg-type]
+        except Exception:
+            self.filter_errors += 1
+            log.error("group filter %r failed on group %s (group kept):\n%s", self.cfg.group_filter, group_id, traceback.format_exc())
+            return True
+
+    def _refill(self) -> None:
+        """Draw fresh prompts from `more_samples` while accepted + unfinished groups fall short of the target."""
+        target = self.cfg.target_groups
+        if self.more is None or target is None or self.stopping or self.tg is None or self.limit is None:
+            return
+        pending = sum(1 for g in self.groups.values() if g.done < g.size)
+        budget = self.cfg.group_budget
+        while self.complete_groups + pending < target:
+            if budget is not None and len(self.groups) >= budget:
+                self.refill_stop = f"group_budget of {budget} groups reached"
+                return
+            try:
+                sample = next(self.more)
+                jobs = expand_samples([sample], self.cfg.n)
+                clash = sorted({j.uid for j in jobs} & {j.uid for j in self.jobs} | {j.group_id for j in jobs} & set(self.groups))
+                if clash:
+                    raise ValueError(f"uid/group {clash[:3]} already in this step")
+            except StopIteration:
+                self.more, self.refill_stop = None, "more_samples exhausted"
+                return
+            except (TypeError, ValueError) as e:  # a bad sample from the source: stop drawing, keep the step
+                self.more, self.refill_stop = None, f"more_samples gave a bad sample: {e}"
+                log.error("scheduler: %s", self.refill_stop)
+                return
+            for k in self._add_jobs(jobs):
+                self.tg.start_soon(self._one, k, self.limit, self.clock())
+            pending += 1
 
     def _early_stop(self) -> None:
         log.info("target of %d complete groups reached: stopping %d running trajectories", self.cfg.target_groups, len(self.sessions))
-        self.stop("early stop: target groups reached")
+        self.stop("early stop: target groups reached", early=True)
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, *, early: bool = False) -> None:
+        self.external_stop = self.external_stop or not early
         self.stopping = True
         self.stop_reason = reason
         if self.tg is None:
@@ -390,17 +476,23 @@ class _ScheduleRun:
     def _is_final(self, i: int) -> bool:
         traj = self.results[i]
         group = self.groups[self.jobs[i].group_id]
-        if self.cfg.target_groups is not None:
+        if self.grouped:
             if group.counted:
                 return True
+            if group.rejected:
+                return False
             return not any(self._carry(self.results[k]) for k in self.members[self.jobs[i].group_id]) and group.ok < group.size
         return not self._carry(traj)
 
     def _result(self, wall: float) -> ScheduleResult:
         final: list[Trajectory] = []
         carry: list[Sample] = []
+        rejected: list[Trajectory] = []
         for i, job in enumerate(self.jobs):
             traj = self.results[i]
+            if self.groups[job.group_id].rejected:
+                rejected.append(traj)  # type: ignore[arg-type]
+                continue
             if self._is_final(i):
                 final.append(traj)  # type: ignore[arg-type]
                 continue
@@ -412,17 +504,29 @@ class _ScheduleRun:
                 carry.append(dataclasses.replace(job, resume_from=traj))
         sampled = sum(sum(t.response_mask) for t in final)
         statuses = Counter(t.status for t in final)
+        target = self.cfg.target_groups
+        # Short of the target because the prompts (or the budget) ran out, not because of a sleep.
+        short = target - self.complete_groups if target is not None and not self.external_stop else 0
+        complete = sum(1 for g, idx in self.members.items()
+                       if all(self._is_final(k) for k in idx) and self.groups[g].ok == self.groups[g].size)
         return ScheduleResult(
             trajectories=final,
             carry_over=carry,
+            rejected=rejected,
             metrics={
                 "rollout_seconds": wall,
                 "trajectories": len(final),
                 "carried_over": len(carry),
                 "started": sum(r is not None for r in self.results),
-                "complete_groups": sum(
-                    1 for g, idx in self.members.items() if all(self._is_final(k) for k in idx) and self.groups[g].ok == self.groups[g].size
-                ),
+                "complete_groups": complete,
+                "groups_accepted": complete,
+                "groups_rejected": self.rejected_groups,
+                "groups_sampled": len(self.groups),
+                "groups_budget_exhausted": max(0, short),
+                "budget_exhausted": short > 0,
+                "group_filter": self.cfg.group_filter,
+                "group_filter_errors": self.filter_errors,
+                "refill_stop": self.refill_stop,
                 "status_counts": {s: statuses.get(s, 0) for s in STATUSES},
                 "sampled_tokens": sampled,
                 "sampled_tokens_per_second": sampled / wall if wall > 0 else 0.0,

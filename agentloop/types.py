@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
+#: Statuses of a trajectory that ran to its end and can be trained on (the others are failed/aborted).
+FINISHED_OK: tuple[str, ...] = ("completed", "truncated")
 
 
 @dataclass

@@ -206,7 +206,7 @@ class RolloutWorker:
         over-sampling, so the worker runs exactly this member and always hands back its trajectory
         (partial if it was stopped) for the driver's scheduler to classify.
         """
-        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "partial_rollout": True, "n": 1})
+        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "group_filter": None, "partial_rollout": True, "n": 1})
         self.router.pin(job.uid, url)
         try:
             res = await self.scheduler.run([job], config=scfg)
