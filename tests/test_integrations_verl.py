@@ -1,0 +1,200 @@
+"""agentloop → verl with the real verl package (0.9.1): `to_dataproto` builds a `verl.DataProto` that verl's
+own `compute_grpo_outcome_advantage` turns into per-group advantages summing to ~0 within each group,
+with failed trajectories excluded (dropped, or masked into groups of their own), padded to a divisor
+with verl's `pad_dataproto_to_divisor`; and a real 2-step rollout on the embedded engine converts the same way."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="needs verl (pip install 'agentloop[verl]')")
+
+from verl import DataProto  # noqa: E402
+from verl.protocol import unpad_dataproto  # noqa: E402
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage  # noqa: E402
+from verl.utils.model import compute_position_id_with_mask  # noqa: E402
+
+from agentloop.batch import weight_version_number  # noqa: E402
+from agentloop.integrations.verl import to_dataproto  # noqa: E402
+from agentloop.runtime_types import StepResult  # noqa: E402
+from agentloop.types import Trajectory, TurnRecord  # noqa: E402
+
+pytestmark = pytest.mark.verl
+
+
+def traj(uid: str, group: str, reward: float | None, *, status: str = "completed", turns=((3, "v1"), (2, "v2")),
+         prompt_len: int = 4, k: int = 0) -> Trajectory:
+    """A tool-loop shaped trajectory: model turns (mask 1) separated by 2 tool tokens (mask 0)."""
+    ids, mask, lps, recs = [], [], [], []
+    for j, (n, version) in enumerate(turns):
+        if j:
+            ids += [900, 901]
+            mask += [0, 0]
+            lps += [0.0, 0.0]
+        recs.append(TurnRecord(start=len(ids), length=n, weight_version=version, finish_reason={"type": "stop"}))
+        ids += [10 + j * 10 + i for i in range(n)]
+        mask += [1] * n
+        lps += [-0.1 * (i + 1) for i in range(n)]
+    return Trajectory(uid=uid, group_id=group, prompt_ids=list(range(1, prompt_len + 1)), response_ids=ids,
+                      response_mask=mask, response_logprobs=lps, status=status, reward=reward, turns=recs,
+                      index_in_group=k, num_turns=len(turns), finish_reason="stop" if status == "completed" else "error",
+                      error=None if status in ("completed", "truncated") else "boom")
+
+
+def step_of(trajs: list[Trajectory]) -> StepResult:
+    return StepResult(step=1, weight_version="v2", trajectories=trajs, batch=None)  # type: ignore[arg-type]
+
+
+def grpo(data: DataProto) -> torch.Tensor:
+    adv, _ = compute_grpo_outcome_advantage(token_level_rewards=data.batch["token_level_scores"],
+                                            response_mask=data.batch["response_mask"], index=data.non_tensor_batch["uid"])
+    return adv
+
+
+def row_advantage(adv: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """The scalar advantage of each row (GRPO broadcasts one value over the row's mask-1 tokens)."""
+    out = []
+    for a, m in zip(adv, mask):
+        vals = a[m.bool()]
+        assert vals.numel() == 0 or torch.allclose(vals, vals[0])
+        out.append(float(vals[0]) if vals.numel() else 0.0)
+    return out
+
+
+def groups_with_failures() -> list[Trajectory]:
+    return [
+        traj("a_0", "a", 1.0, k=0), traj("a_1", "a", 0.0, k=1), traj("a_2", "a", None, status="failed", k=2),
+        traj("a_3", "a", 1.0, k=3, status="truncated", turns=((4, "v2"),)),
+        traj("b_0", "b", 0.5, k=0, prompt_len=6), traj("b_1", "b", None, status="aborted", k=1), traj("b_2", "b", 0.0, k=2),
+        traj("c_0", "c", 2.0, k=0, turns=((5, "v3"),)), traj("c_1", "c", 3.0, k=1),
+    ]
+
+
+def test_layout_matches_verl_and_uid_is_the_group() -> None:
+    trajs = groups_with_failures()
+    data = to_dataproto(step_of(trajs))
+    assert isinstance(data, DataProto)
+    kept = [t for t in trajs if t.status in ("completed", "truncated")]
+    assert len(data) == len(kept) and data.meta_info["dropped"] == 2 and data.meta_info["pad_size"] == 0
+    assert list(data.non_tensor_batch["uid"]) == [t.group_id for t in kept]  # uid = GRPO group, not trajectory
+    assert list(data.non_tensor_batch["trajectory_uid"]) == [t.uid for t in kept]
+    b = data.batch
+    P = b["prompts"].shape[1]
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], 1))
+    assert torch.equal(b["position_ids"], compute_position_id_with_mask(b["attention_mask"]))
+    for i, t in enumerate(kept):
+        n_p, n_r = len(t.prompt_ids), len(t.response_ids)
+        assert b["prompts"][i, P - n_p:].tolist() == t.prompt_ids and b["attention_mask"][i, :P - n_p].sum() == 0
+        assert b["responses"][i, :n_r].tolist() == t.response_ids
+        assert b["response_mask"][i, :n_r].tolist() == t.response_mask and b["response_mask"][i, n_r:].sum() == 0
+        assert b["rollout_log_probs"][i, :n_r].tolist() == pytest.approx(t.response_logprobs)
+        # the score sits at the last real response token, where verl's agent loop puts rm_scores
+        last = int(b["attention_mask"][i, P:].sum()) - 1
+        assert last == n_r - 1 and float(b["token_level_scores"][i, last]) == t.reward
+        assert float(b["token_level_scores"][i].sum()) == t.reward
+        versions = b["token_weight_versions"][i, :n_r].tolist()
+        for rec in t.turns:
+            assert versions[rec.start:rec.start + rec.length] == [int(rec.weight_version[1:])] * rec.length
+        assert all(v == -1 for v, m in zip(versions, t.response_mask) if not m)
+
+
+@pytest.mark.parametrize("policy", ["drop", "mask"])
+def test_grpo_advantages_sum_to_zero_per_group_and_exclude_failures(policy: str) -> None:
+    trajs = groups_with_failures()
+    data = to_dataproto(trajs, failed=policy, size_divisor=4)
+    assert len(data) % 4 == 0
+    adv = grpo(data)
+    rows = row_advantage(adv, data.batch["response_mask"])
+    nt = data.non_tensor_batch
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for i in range(len(data)):
+        if nt["trainable"][i]:
+            by_group[nt["uid"][i]].append(rows[i])
+        else:  # failed, aborted or padding: no gradient at all
+            assert data.batch["response_mask"][i].sum() == 0 and torch.all(adv[i] == 0)
+    assert sorted(by_group) == ["a", "b", "c"]
+    for g, vals in by_group.items():
+        assert abs(sum(vals)) < 1e-4, (g, vals)
+    # Exclusion is exact: the same advantages as for the groups without their failed members.
+    ok = [t for t in trajs if t.status in ("completed", "truncated")]
+    for g in "abc":
+        r = torch.tensor([t.reward for t in ok if t.group_id == g])
+        want = ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+        assert by_group[g] == pytest.approx(want, abs=1e-5)
+    if policy == "mask":
+        assert len(unpad_dataproto(data, data.meta_info["pad_size"])) == len(trajs)
+        failed_uids = [u for u, s, pad in zip(nt["uid"], nt["status"], nt["is_pad"]) if s in ("failed", "aborted") and not pad]
+        assert failed_uids == ["a/a_2:untrainable", "b/b_1:untrainable"]
+
+
+def test_padding_to_a_divisor_uses_verl_and_neutralises_the_copies() -> None:
+    data = to_dataproto(groups_with_failures(), size_divisor=5)  # 7 trainable rows -> 10
+    assert len(data) == 10 and data.meta_info["pad_size"] == 3
+    nt = data.non_tensor_batch
+    assert list(nt["is_pad"]) == [False] * 7 + [True] * 3
+    assert list(nt["uid"][-3:]) == ["agentloop-pad-0", "agentloop-pad-1", "agentloop-pad-2"]
+    assert data.batch["response_mask"][-3:].sum() == 0 and data.batch["token_level_scores"][-3:].sum() == 0
+    # verl's pad rows are copies of the first rows; the originals are untouched
+    assert torch.equal(data.batch["input_ids"][7:], data.batch["input_ids"][:3])
+    assert data.batch["response_mask"][:3].sum() > 0
+    assert len(unpad_dataproto(data, 3)) == 7
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="a_0 .*no reward"):
+        to_dataproto([traj("a_0", "a", None)])
+    with pytest.raises(ValueError, match="none of the 1 trajectories is trainable"):
+        to_dataproto([traj("a_0", "a", None, status="failed")])
+    with pytest.raises(ValueError, match="failed must be"):
+        to_dataproto([traj("a_0", "a", 1.0)], failed="keep")  # type: ignore[arg-type]
+
+
+def test_real_two_step_rollout_converts_for_verl_grpo() -> None:
+    """Two real steps on the embedded CPU engine with the tiny tool model (staged wake-up each step);
+    a reward function that fails on some members: verl's GRPO sees only the trainable ones."""
+    from agentloop.runtime import Runtime
+    from agentloop.tasks.arithmetic import CALCULATOR_TOOL, generate_questions
+    from agentloop.types import Sample
+
+    def reward(trajectory: Trajectory, sample: Sample) -> float:
+        if sample.index_in_group == 1 and sample.group_id.endswith("q0"):
+            raise RuntimeError("grader crashed")  # -> this trajectory is failed, the step goes on
+        return float(len(trajectory.response_ids) % 7)
+
+    cfg = {"engine": {"local_args": ["--num-threads", "1"]}, "scheduler": {"n": 3},
+           "agent": {"max_new_tokens_per_turn": 48, "max_response_tokens": 160}}
+    with Runtime(cfg, reward_fn=reward) as rt:
+        for step in range(2):
+            qs = generate_questions(3, seed=100 + step)
+            samples = [Sample(uid=f"s{step}q{i}", messages=[{"role": "user", "content": q.question}],
+                              tools=[CALCULATOR_TOOL]) for i, q in enumerate(qs)]
+            res = rt.step_sync(samples)
+            assert res.metrics["stage_seconds"].keys() >= {"wake_up/resume_weights", "wake_up/update_weights", "wake_up/resume_kv_cache"}
+            failed = [t for t in res.trajectories if t.status == "failed"]
+            assert [t.uid for t in failed] == [f"s{step}q0_1"]
+            assert res.batch["trainable"].tolist() == [int(t.status != "failed") for t in res.trajectories]
+            data = to_dataproto(res, size_divisor=4, pad_token_id=rt.pad_token_id)
+            assert len(data) == 8 and data.meta_info["pad_size"] == 0
+            adv = grpo(data)
+            rows = row_advantage(adv, data.batch["response_mask"])
+            sums: dict[str, float] = defaultdict(float)
+            for u, a in zip(data.non_tensor_batch["uid"], rows):
+                sums[u] += a
+            assert sorted(sums) == [f"s{step}q{i}" for i in range(3)]
+            assert all(abs(s) < 1e-4 for s in sums.values()), sums
+            # mask-1 tokens and their logprobs are the engine's, verbatim
+            for i, t in enumerate(t for t in res.trajectories if t.status != "failed"):
+                n = len(t.response_ids)
+                assert data.batch["responses"][i, :n].tolist() == t.response_ids
+                m = torch.tensor(t.response_mask, dtype=torch.bool)
+                got = data.batch["rollout_log_probs"][i, :n][m]
+                assert torch.allclose(got, torch.tensor(t.response_logprobs)[m])
+                want = weight_version_number(res.weight_version or "")
+                assert set(data.batch["token_weight_versions"][i, :n][m].tolist()) <= {want}
+            assert math.isfinite(float(adv.sum()))
+            assert isinstance(data.non_tensor_batch["uid"], np.ndarray)
