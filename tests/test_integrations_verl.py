@@ -198,3 +198,84 @@ def test_real_two_step_rollout_converts_for_verl_grpo() -> None:
                 assert set(data.batch["token_weight_versions"][i, :n][m].tolist()) <= {want}
             assert math.isfinite(float(adv.sum()))
             assert isinstance(data.non_tensor_batch["uid"], np.ndarray)
+
+
+class EngineLLMClient:
+    """verl's `LLMServerClient.generate` interface (request_id, prompt_ids, sampling_params -> TokenOutput)
+    answered by a real engine over SGLang's HTTP protocol (the embedded CPU engine here)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.requests: list[str] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        from agentloop.engine.base import SamplingParams
+        from agentloop.engine.sglang import SGLangClient
+
+        params = dict(sampling_params)
+        assert params.pop("logprobs") is True
+        self.requests.append(request_id)
+        client = SGLangClient(self.url)  # one per call: each verl call may run on its own event loop
+        try:
+            out = await client.generate(prompt_ids, SamplingParams.from_mapping(params), rid=f"{request_id}-{len(self.requests)}")
+        finally:
+            await client.close()
+        return TokenOutput(token_ids=out.output_ids, log_probs=out.output_logprobs,
+                           stop_reason="aborted" if out.finish_type == "abort" else "completed")
+
+
+def test_agent_loop_manager_drop_in_two_steps(start_local_engine) -> None:
+    """verl's trainer calls: `AgentLoopManager.create(config=, llm_client=, ...)`, then per step
+    `generate_sequences(gen_batch)` on rows repeated n times (interleaved) with a shared `uid`; the output
+    unions with the batch and verl's GRPO advantage runs on it."""
+    from omegaconf import OmegaConf
+
+    from agentloop.integrations.verl import AgentLoopManager
+    from agentloop.models import tiny_tool_model
+    from agentloop.tasks.arithmetic import generate_questions
+
+    model = tiny_tool_model()
+    client = EngineLLMClient(start_local_engine(model))
+    cfg = OmegaConf.create({"actor_rollout_ref": {
+        "model": {"path": str(model)},
+        "rollout": {"prompt_length": 256, "response_length": 192, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 3,
+                    "multi_turn": {"max_assistant_turns": 4, "tool_config_path": None},
+                    "val_kwargs": {"temperature": 0.0, "top_p": 1.0, "top_k": -1},
+                    "agent": {"agentloop": {"scheduler": {"reward": "arithmetic"},
+                                            "agent": {"max_new_tokens_per_turn": 48}}}}}})
+    manager = AgentLoopManager.create(config=cfg, llm_client=client)
+    for step in range(2):
+        qs = generate_questions(2, seed=300 + step)
+        # As verl's RLHFDataset + RayPPOTrainer build them: a dummy tensor, the chat, reward keys, uid per prompt.
+        non_tensors = {
+            "raw_prompt": _objs([[{"role": "user", "content": q.question}] for q in qs]),
+            "reward_model": _objs([{"ground_truth": q.answer, "style": "rule"} for q in qs]),
+            "uid": _objs([f"s{step}-p{i}" for i in range(2)]),
+        }
+        batch = DataProto.from_dict(tensors={"dummy_tensor": torch.zeros(2, 1, dtype=torch.uint8)}, non_tensors=non_tensors)
+        gen = DataProto.from_dict(non_tensors={k: v.copy() for k, v in non_tensors.items()}).repeat(3, interleave=True)
+        out = manager.generate_sequences(gen)
+        assert len(out) == 6 and out.batch["prompts"].shape[1] == 256 and out.batch["responses"].shape[1] == 192
+        assert "timing" in out.meta_info and len(out.meta_info["metrics"]) == 6
+        merged = batch.repeat(3, interleave=True).union(out)  # as verl's trainer does: rows must stay aligned
+        assert torch.equal(merged.batch["position_ids"], compute_position_id_with_mask(merged.batch["attention_mask"]))
+        statuses = list(out.non_tensor_batch["agentloop_status"])
+        assert statuses.count("completed") + statuses.count("truncated") >= 5
+        assert out.non_tensor_batch["agentloop_tool_calls"].sum() > 0  # the tiny model called the calculator
+        rm = out.batch["rm_scores"]
+        last = out.batch["attention_mask"][:, 256:].sum(-1) - 1
+        assert torch.equal(rm.sum(-1), rm[torch.arange(6), last])
+        adv, _ = compute_grpo_outcome_advantage(token_level_rewards=rm, response_mask=merged.batch["response_mask"],
+                                                index=merged.non_tensor_batch["uid"])
+        rows = row_advantage(adv, merged.batch["response_mask"])
+        for g in (f"s{step}-p0", f"s{step}-p1"):
+            assert abs(sum(a for a, u in zip(rows, merged.non_tensor_batch["uid"]) if u == g)) < 1e-4
+    assert len(client.requests) >= 12 and all("#" in r for r in client.requests)  # sticky key = trajectory
+
+
+def _objs(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out

@@ -44,7 +44,8 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.utils.ray_utils import auto_await
 
 from ..batch import collate
-from ..config import AgentSettings, SchedulerConfig
+from ..agents.base import AgentConfig
+from ..config import SchedulerConfig
 from ..engine.base import EngineError, GenerateOutput, SamplingParams
 from ..engine.lifecycle import Lifecycle
 from ..engine.router import Router
@@ -159,8 +160,8 @@ class AgentLoopManager:
         }
         val = _cfg_get(rollout, "val_kwargs", {})
         self.settings = {
-            False: AgentSettings.model_validate(base),
-            True: AgentSettings.model_validate({**base, "temperature": float(_cfg_get(val, "temperature", 0.0)),
+            False: AgentConfig.model_validate(base),
+            True: AgentConfig.model_validate({**base, "temperature": float(_cfg_get(val, "temperature", 0.0)),
                                                 "top_p": float(_cfg_get(val, "top_p", 1.0)),
                                                 "top_k": int(_cfg_get(val, "top_k", -1))}),
         }
@@ -170,7 +171,7 @@ class AgentLoopManager:
         self.router = Router(self.lifecycle, per_server_limit=None, request_timeout=None)
         reward_fn = self._verl_reward if self.reward_workers else None
         self.schedulers = {
-            validate: Scheduler(self.router, tokenizer=tokenizer, agent_config=s.to_agent_config(), config=scfg,
+            validate: Scheduler(self.router, tokenizer=tokenizer, agent_config=s, config=scfg,
                                 tools=tools, default_agent=s.agent, reward_fn=reward_fn)
             for validate, s in self.settings.items()
         }
