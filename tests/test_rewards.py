@@ -4,7 +4,6 @@ raises, hangs or returns garbage leaves reward None with the error recorded, nev
 from __future__ import annotations
 
 import threading
-import time
 
 import anyio
 import pytest
@@ -91,32 +90,34 @@ async def test_sync_graders_run_off_the_event_loop_and_time_out() -> None:
     loop_thread = threading.get_ident()
     seen: list[int] = []
     release = threading.Event()
+    entered = threading.Event()
 
     @register_reward("test_slow_sync")
     def slow(tr: Trajectory, s: Sample) -> float:
         seen.append(threading.get_ident())
-        release.wait(5.0)  # blocks its thread, not the loop
+        entered.set()
+        release.wait(60.0)  # blocks its thread, not the loop
         return 1.0
 
-    ticks = 0
+    loop_ran_while_blocked = False
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
+    async def watcher() -> None:
+        # Runs on the event loop: if it sees the grader inside its blocking wait, the loop was free.
+        nonlocal loop_ran_while_blocked
+        while not entered.is_set():
             await anyio.sleep(0.01)
-            ticks += 1
+        loop_ran_while_blocked = not release.is_set()
 
     t = traj("x")
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        t0 = time.monotonic()
-        await score(t, smp(reward="test_slow_sync"), timeout=0.3)
-        elapsed = time.monotonic() - t0
-        tg.cancel_scope.cancel()
-    release.set()
+    try:
+        with anyio.fail_after(30):  # a guard against a hang, not a speed check
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watcher)
+                await score(t, smp(reward="test_slow_sync"), timeout=0.3)
+    finally:
+        release.set()
     assert seen and seen[0] != loop_thread
-    assert 0.3 <= elapsed < 1.5
-    assert ticks >= 10  # the event loop kept running while the grader blocked
+    assert loop_ran_while_blocked  # the event loop kept running while the grader blocked
     assert t.reward is None and "timed out" in t.extra["reward_error"]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import types
 from typing import Any
 
@@ -115,7 +114,7 @@ async def test_a_hanging_or_raising_reward_fails_only_its_trajectory() -> None:
 
     def grader(traj: Trajectory, sample: Sample) -> float:
         if sample.uid == "p1":
-            release.wait(10.0)  # blocks its worker thread, not the event loop
+            release.wait(600.0)  # blocks its worker thread, not the event loop
         if sample.uid == "p2":
             raise ZeroDivisionError("grader bug")
         return 1.0
@@ -123,12 +122,12 @@ async def test_a_hanging_or_raising_reward_fails_only_its_trajectory() -> None:
     lc = Lifecycle([FakeEngine("http://a")], awake=True)
     sched = Scheduler(Router(lc), tokenizer=None, agent_config=AgentConfig(),
                       config=SchedulerConfig(reward_timeout=0.3), reward_fn=grader)
-    t0 = time.monotonic()
     try:
-        res = await sched.run(samples(4, turns=1, tokens=2))
+        # The step does not wait for the blocked grader (it would hold it for 600 s): a hang guard.
+        with anyio.fail_after(60):
+            res = await sched.run(samples(4, turns=1, tokens=2))
     finally:
         release.set()
-    assert time.monotonic() - t0 < 3.0
     by = {t.uid: t for t in res.trajectories}
     assert by["p0"].status == by["p3"].status == "completed" and by["p0"].reward == by["p3"].reward == 1.0
     assert by["p1"].status == "failed" and "timed out after 0.3 s" in by["p1"].error and by["p1"].reward is None
