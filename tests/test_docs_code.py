@@ -1,0 +1,62 @@
+"""The Python code blocks of README.md, docs/*.md and benchmarks/README.md are programs that work.
+
+Every ```python block must be a complete program (it compiles as a module: no top-level `await`,
+no fragments) whose imports resolve against this checkout. A block runs as pasted, in a fresh
+interpreter in an empty folder, and must exit 0, unless the line before its fence says why it
+cannot run here: `<!-- docs-test: compile-only (REASON) -->` (e.g. it needs GPUs).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
+FENCE = re.compile(r"(?:^(?P<marker><!-- docs-test: compile-only \((?P<reason>[^)]+)\) -->)\n)?^```python\n(?P<code>.*?)^```$",
+                   re.M | re.S)
+
+
+def code_blocks() -> list[tuple[str, str, str | None]]:
+    """(id as file:line, code, compile-only reason or None) of every python block."""
+    blocks = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start("code"))
+            blocks.append((f"{doc.relative_to(REPO)}:{line}", m.group("code"), m.group("reason")))
+    return blocks
+
+
+BLOCKS = code_blocks()
+
+
+def test_the_docs_have_python_blocks() -> None:
+    assert any(where.startswith("README.md:") for where, _, _ in BLOCKS)
+    # A marker must sit right above a python fence, or it would silently stop applying.
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        assert text.count("<!-- docs-test:") == len(re.findall(r"<!-- docs-test: compile-only \([^)]+\) -->\n```python\n", text)), doc
+
+
+@pytest.mark.parametrize("where,code,reason", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_python_block_is_a_working_program(where: str, code: str, reason: str | None, tmp_path: Path) -> None:
+    tree = compile(code, where, "exec", ast.PyCF_ONLY_AST)  # a SyntaxError names the doc and line
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    exec(compile(ast.Module(body=imports, type_ignores=[]), where, "exec"), {})  # every import resolves
+    if reason is not None:
+        return
+    script = tmp_path / "block.py"
+    script.write_text(code, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("ENGINE_URL", None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, f"{where} failed as pasted:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
