@@ -8,6 +8,7 @@ tiny model is in `test_agents_e2e.py`.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any, Callable
 
@@ -38,16 +39,17 @@ class Calculator(Tool):
         self.delay = delay
         # `together` > 0: each call waits until that many calls are running at once (a rendezvous):
         # calls run one after another never meet, and time out instead.
+        # Calls may each run on their own event loop (tools.call_thread): a counter under a thread
+        # lock, polled, works across loops where an anyio.Event would not.
         self.together = together
         self.started = 0
-        self.met = anyio.Event()
+        self.lock = threading.Lock()
 
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
-        self.started += 1
-        if self.together and self.started >= self.together:
-            self.met.set()
-        if self.together:
-            await self.met.wait()
+        with self.lock:
+            self.started += 1
+        while self.started < self.together:
+            await anyio.sleep(0.01)
         await anyio.sleep(self.delay)
         return str(evaluate_expression(arguments["expression"]))
 
