@@ -451,6 +451,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     train = {"loss": math.nan, "train_outcome": "out_of_memory", "error": str(e).splitlines()[0][:600]}
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
+                    # The caching allocator keeps the step's activations reserved; SGLang's wake-up re-maps its KV
+                    # cache into that same memory, so hand it back or resume_memory_occupation fails with OOM
+                    # (seen on the H200 at step 2: torch_memory_saver "cudaError 2 (out of memory)" killed the server).
+                    torch.cuda.empty_cache()
                 train_seconds = time.monotonic() - t_train
                 timeline.set_phase("idle")
                 m, trajs = res.metrics, res.trajectories
