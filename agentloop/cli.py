@@ -9,6 +9,7 @@ the run's module is imported only for the command that runs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -33,8 +34,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def _unknown_flags(sub: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The subcommand's own error for arguments it does not take, with the closest flags it does."""
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=2, cutoff=0.6)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Parsed leniently first so an unknown flag is reported by its subcommand (its usage, and the
+    # flag it was probably meant to be) rather than by the top-level parser, which knows none of them.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = _subparser(parser, args.command)
+        sub.error(_unknown_flags(sub, extra))
     return int(importlib.import_module(SUBCOMMANDS[args.command][1]).run(args) or 0)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .agents.base import AgentConfig
-from .engine.base import MEMORY_TAGS
+from .engine.base import MEMORY_TAGS, engine_url
 
 __all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
 
@@ -71,6 +71,11 @@ class EngineConfig(_Strict):
     start_timeout: float = Field(180.0, gt=0, description="Seconds to wait for engine servers to come up.")
     settle_timeout: float = Field(60.0, gt=0, description="Seconds sleep waits for aborted requests to settle.")
     stage_timeout: float = Field(600.0, gt=0, description="Seconds one lifecycle stage may take on one server.")
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        return [engine_url(u) for u in urls]  # `127.0.0.1:30000` is accepted as http://127.0.0.1:30000
 
     @model_validator(mode="after")
     def _one_source(self) -> "EngineConfig":

@@ -171,7 +171,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
+                # utf-8-sig on the first line: a byte-order mark some editors write is not part of the row.
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 yield lineno, None, f"not UTF-8 ({e.reason} at byte {e.start})"
                 continue
@@ -180,7 +181,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
             try:
                 yield lineno, json.loads(text), None
             except json.JSONDecodeError as e:
-                yield lineno, None, f"invalid JSON: {e.msg} at column {e.colno}"
+                # The column in the row itself (without its newline, which made json report a row cut
+                # short as "line 2, column 1"); characters, counted from 1.
+                where = "the end of the line" if e.pos >= len(text) else repr(text[e.pos:e.pos + 12])
+                yield lineno, None, f"invalid JSON at column {e.pos + 1} ({where}): {e.msg.removesuffix(' at')}"
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:

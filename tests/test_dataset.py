@@ -121,3 +121,16 @@ def test_bundled_arithmetic_prompts_are_valid_and_answers_are_right() -> None:
         calls = s.extra["expected_calls"]
         assert evaluate_expression(calls[-1]) == s.ground_truth
     assert any(len(s.extra["expected_calls"]) == 2 for s in ds.samples)  # some need two tool calls
+
+
+def test_invalid_json_names_the_column_where_the_row_broke(tmp_path: Path) -> None:
+    cut = '{"prompt": "What is 1 + 2?", "ground_truth": 3'  # the closing brace is missing
+    p = (tmp_path / "d.jsonl")
+    p.write_bytes(("\ufeff" + json.dumps(GOOD_PROMPT) + "\r\n" + cut + "\r\n"
+                   + '{"prompt": "x" "ground_truth": 1}\n').encode("utf-8"))
+    ds = load_dataset(p)
+    assert len(ds.samples) == 1  # a byte-order mark before the first row is not part of it
+    assert [str(b) for b in ds.bad_rows] == [
+        f"{p}:2: invalid JSON at column {len(cut) + 1} (the end of the line): Expecting ',' delimiter",
+        f"{p}:3: invalid JSON at column 16 ('\"ground_trut'): Expecting ',' delimiter",
+    ]

@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         print("agentloop rollout: Ray mode (--ray / runtime.ray.enabled) needs Ray: pip install 'agentloop[ray]'",
               file=sys.stderr)
         return EXIT_USAGE
-    refusal = _previous_run(Path(cfg.out)) if not cfg.overwrite else None
+    refusal = _model_problem(cfg) or (_previous_run(Path(cfg.out)) if not cfg.overwrite else None)
     if refusal:
         print(f"agentloop rollout: {refusal}", file=sys.stderr)
         return EXIT_USAGE
@@ -286,6 +286,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"agentloop rollout: {state.error}", file=sys.stderr)
     _print_result(state, code)
     return code
+
+
+def _model_problem(cfg: RolloutConfig) -> str | None:
+    """Why the embedded engine's model folder cannot be served (a bad setting, exit 2), or None.
+    Not checked for a Ray cluster given by address: the folder need only exist on its nodes."""
+    eng = cfg.runtime.engine
+    if eng.model is None or eng.urls or eng.launch is not None or cfg.runtime.ray.address:
+        return None
+    model = Path(eng.model)
+    if not model.is_dir():
+        return f"--model {model} (runtime.engine.model): no such folder"
+    if not (model / "config.json").is_file():
+        return f"--model {model} (runtime.engine.model): no config.json in it (a Hugging Face model folder is needed)"
+    return None
 
 
 def _previous_run(out: Path) -> str | None:

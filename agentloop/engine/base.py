@@ -12,6 +12,7 @@ Nothing here may be called for generation directly by agent code: generation goe
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -19,6 +20,26 @@ from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 
 PauseMode = Literal["abort", "retract", "in_place"]
+
+
+def engine_url(url: str) -> str:
+    """An engine server's base URL, as the client sends to it: `HOST:PORT` without a scheme means
+    `http://HOST:PORT` (how SGLang prints its address); a trailing slash is dropped. Anything that is
+    not an http(s) URL with a host raises ValueError saying what is wrong and what is expected."""
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"engine URL {url!r}: scheme {parts.scheme!r} is not http or https "
+                         "(expected http://HOST:PORT)")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise ValueError(f"engine URL {url!r}: the port is not a number (expected http://HOST:PORT)") from None
+    if not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"engine URL {url!r}: expected http://HOST:PORT (a host, an optional port and path)")
+    return text.rstrip("/")
 
 
 class EngineError(RuntimeError):

@@ -38,7 +38,16 @@ from typing import Any, Literal, Mapping, Sequence
 import aiohttp
 import anyio
 
-from .base import MEMORY_TAGS, EngineError, EngineUnavailable, GenerateOutput, PauseMode, SamplingParams, parse_generate_response
+from .base import (
+    MEMORY_TAGS,
+    EngineError,
+    EngineUnavailable,
+    GenerateOutput,
+    PauseMode,
+    SamplingParams,
+    engine_url,
+    parse_generate_response,
+)
 from .served_model import ServedModelChecks, TensorTransport
 from .weight_payloads import cuda_ipc_payloads, safetensors_payload
 
@@ -104,7 +113,7 @@ class SGLangClient(ServedModelChecks):
     ) -> None:
         if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
             raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
-        self.url = url.rstrip("/")
+        self.url = engine_url(url)
         self.timeout = timeout
         self.generate_timeout = generate_timeout
         self.retries = retries

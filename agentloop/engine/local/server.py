@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import socket
 import sys
@@ -284,6 +285,15 @@ def run(args: argparse.Namespace) -> int:
     if not Path(model).is_dir():
         print(f"agentloop serve: --model {model}: not a folder", file=sys.stderr)
         return 2
+    # Bind before loading the model: a busy port is reported at once, and `--port 0` works (the log
+    # line names the port the OS chose).
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        hint = (" (another server holds that port: give --port N, or --port 0 for a free one)"
+                if e.errno == errno.EADDRINUSE else "")
+        print(f"agentloop serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}", file=sys.stderr)
+        return 1
     engine = LocalEngine(
         model,
         max_running_requests=args.max_running_requests,
@@ -296,8 +306,6 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.start()
     server_args = {"host": args.host, "port": args.port, "random_seed": args.seed}
-    # Bind first so `--port 0` works: the log line names the port the OS chose.
-    sock = socket.create_server((args.host, args.port))
     port = sock.getsockname()[1]
     server_args["port"] = port
     log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, port)
