@@ -168,6 +168,13 @@ def row_to_sample(
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    try:
+        yield from _jsonl_lines(path)
+    except OSError as e:  # unreadable (permissions, an I/O error mid-file): say so, naming the file
+        raise DatasetError(f"{path}: cannot read the dataset file: {e.strerror or e}") from None
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:

@@ -22,6 +22,7 @@ reader ever sees a half-written file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -107,35 +108,70 @@ def trajectory_record(traj: Trajectory, step: int) -> dict[str, Any]:
     return {"step": step, **rec}
 
 
+class OutputWriteError(OSError):
+    """An output file could not be written (disk full, I/O error, file system gone read-only). The
+    message names the file, the reason and what was kept; `errno` is the failed write's."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class TrajectoryStream:
-    """Appends trajectories to `<out>/trajectories.jsonl.partial` as they finish; `close()` renames it."""
+    """Appends trajectories to `<out>/trajectories.jsonl.partial` as they finish; `close()` renames it.
+
+    Each line goes to the file with unbuffered writes; if the disk fills (or any write fails) part
+    way through a line, the file is cut back to its last whole line, the stream is marked `failed`
+    (an `OutputWriteError` saying so) and refuses further lines, and `close()` leaves the file under
+    its `.partial` name: whole lines only, a prefix of the run's finished trajectories."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.path = Path(out_dir) / JSONL_NAME
         self.partial = self.path.with_name(JSONL_NAME + ".partial")
         self.count = 0
-        self._f: IO[str] | None = None
+        self.failed: OutputWriteError | None = None
+        self._fd: int | None = None
+        self._size = 0  # bytes of whole lines written
 
     def open(self) -> "TrajectoryStream":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.partial.open("w", encoding="utf-8")
+        self._fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
+        self._size = 0
         return self
 
     def write(self, traj: Trajectory, step: int) -> None:
-        if self._f is None:
+        if self._fd is None:
             raise RuntimeError("TrajectoryStream.write before open()")
+        if self.failed is not None:
+            raise self.failed
         line = json.dumps(trajectory_record(traj, step), ensure_ascii=False, allow_nan=False, default=str) + "\n"
-        self._f.write(line)  # one write per line: a reader never sees half a trajectory
-        self._f.flush()
+        data = memoryview(line.encode("utf-8"))
+        size = len(data)
+        try:
+            while data:  # a reader never sees half a trajectory: whole lines or, on failure, none of it
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            with contextlib.suppress(OSError):  # take back the cut line (shrinking frees space on a full disk)
+                os.ftruncate(self._fd, self._size)
+                os.lseek(self._fd, self._size, os.SEEK_SET)
+            self.failed = OutputWriteError(
+                e.errno, f"cannot write trajectories to {self.partial}: {e.strerror or e}; it keeps the "
+                f"{self.count} trajectories written before, as whole lines")
+            raise self.failed from e
+        self._size += size
         self.count += 1
 
     def close(self) -> Path | None:
-        if self._f is None:
+        """Sync and close; rename to `trajectories.jsonl` unless a write failed (the file then keeps
+        its `.partial` name: it is not the whole run). Returns the file's path."""
+        if self._fd is None:
             return None
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.failed is not None:
+            return self.partial
         os.replace(self.partial, self.path)
         return self.path
 

@@ -29,6 +29,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .config import RuntimeConfig
+from .yaml_strict import mark_where
+from .yaml_strict import safe_load as strict_yaml_load
 
 #: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise (and
 #: `agentloop config --show` marks as the command's, next to the library's default).
@@ -261,10 +263,9 @@ def load_config(
             raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from None
         try:
             root = yaml.compose(text, Loader=yaml.SafeLoader)
-            data = yaml.safe_load(text)
+            data = strict_yaml_load(text)  # a key given twice is an error, not a silently lost setting
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+            where = mark_where(p, e)
             problem = getattr(e, "problem", None) or str(e)
             raise ConfigError(f"{where}: invalid YAML: {problem}") from None
         if data is None:

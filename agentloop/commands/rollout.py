@@ -14,8 +14,10 @@ through `agentloop.distributed.RayRuntime` (worker and engine actors on a local 
 outputs and progress are the same.
 
 Exit status: 0 done; 1 the engines failed (unreachable URL, a lifecycle stage failed); 2 bad
-settings or data; 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the engines left
-asleep or stopped, finished and partial trajectories and a summary of them written).
+settings or data; 74 an output file could not be written (disk full, I/O error: the run stops as on
+Ctrl-C, `trajectories.jsonl.partial` keeps whole lines only, and whatever else can be written is; the
+message says where the data is); 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the
+engines left asleep or stopped, finished and partial trajectories and a summary of them written).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import anyio
 
@@ -38,6 +40,7 @@ from ..output import (
     PARQUET_NAME,
     SUMMARY_NAME,
     TIMELINE_NAME,
+    OutputWriteError,
     TrajectoryStream,
     clear_outputs,
     summarize_run,
@@ -48,6 +51,7 @@ from ..output import (
 from ..progress import RolloutProgress
 from ..rollout_config import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
+from .rollout_checks import preflight
 from .rollout_prompts import groups_per_step, launched_groups, prompt_statuses, step_prompts, take_prompts
 from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
@@ -57,6 +61,7 @@ __all__ = ["EXIT_ENGINE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "groups_p
            "run", "step_prompts", "take_prompts"]
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OUTPUT = 74  # sysexits' EX_IOERR
 
 # ------------------------------------------------------------------------------------ the run
 @dataclass
@@ -85,6 +90,8 @@ class _CommandRun:
     written: list[Path] = field(default_factory=list)
     runtime: Any = None
     in_step: bool = False
+    #: Output files that could not be written ("name: reason"); the first stops the run.
+    write_errors: list[str] = field(default_factory=list)
 
 
 def _rollout_window(records: Sequence[StageRecord]) -> float | None:
@@ -150,7 +157,10 @@ async def _run_steps(run: _CommandRun) -> None:
                     traj.extra = {**row.extra, **traj.extra}
                 rec.trajectories.append(traj)
                 assert run.stream is not None
-                run.stream.write(traj, step)
+                try:
+                    run.stream.write(traj, step)
+                except OutputWriteError as e:
+                    _stop_on_write_error(run, e)
                 run.progress.trajectory_done(traj)
 
             run.in_step = True
@@ -167,7 +177,7 @@ async def _run_steps(run: _CommandRun) -> None:
             for t in result.trajectories:
                 if id(t) not in seen:
                     await done(t)
-            if step == cfg.steps or run.interrupted:
+            if step == cfg.steps or run.interrupted or run.write_errors:
                 # Partial trajectories of unfinished groups would be continued next step; there is
                 # none, so they are written as they are (aborted) rather than dropped.
                 for s in carry:
@@ -176,11 +186,33 @@ async def _run_steps(run: _CommandRun) -> None:
             else:
                 rec.carried = {s.group_id or s.uid for s in carry}
             run.progress.end_step(_step_summary(rec))
-            if run.interrupted:
+            if run.interrupted or run.write_errors:
                 break
     finally:
         with anyio.CancelScope(shield=True):
             await runtime.stop()
+
+
+def _stop_on_write_error(run: _CommandRun, e: OSError) -> None:
+    """The trajectory file cannot be written (disk full?): stop the run as a first Ctrl-C would (the
+    step's trajectories come back and are kept in memory for the other outputs); no more steps."""
+    if run.write_errors:
+        return
+    run.write_errors.append(str(e))
+    run.progress.message(f"{e}: stopping the run")
+    scheduler = getattr(run.runtime, "scheduler", None)
+    if scheduler is not None:
+        scheduler.stop("output_error")
+
+
+def _attempt(run: _CommandRun, name: str, write: Callable[[], Path | None]) -> Path | None:
+    """`write()`, or None with the failure recorded: one output that cannot be written (a full disk)
+    does not keep the others from being tried."""
+    try:
+        return write()
+    except OSError as e:
+        run.write_errors.append(f"{name}: {e.strerror or e}")
+        return None
 
 
 def _step_summary(rec: _StepRecord) -> dict[str, Any]:
@@ -197,12 +229,10 @@ def _finish_outputs(run: _CommandRun) -> list[Path]:
     if run.stream is None:
         return []
     out = Path(run.cfg.out)
-    written: list[Path] = []
-    jsonl = run.stream.close()
-    if jsonl is not None:
-        written.append(jsonl)
+    stream = run.stream
     rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
-    written.append(write_parquet(out / PARQUET_NAME, rows))
+    written = [_attempt(run, stream.partial.name, stream.close),
+               _attempt(run, PARQUET_NAME, lambda: write_parquet(out / PARQUET_NAME, rows))]
     summaries = [_step_summary(rec) for rec in run.steps]
     summary = summarize_run(
         summaries,
@@ -215,14 +245,15 @@ def _finish_outputs(run: _CommandRun) -> list[Path]:
         n=run.cfg.runtime.scheduler.n,
         started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(run.started)),
         wall_seconds=round(time.time() - run.started, 3),
+        write_errors=list(run.write_errors),
     )
-    written.append(write_summary(out / SUMMARY_NAME, summary))
+    written.append(_attempt(run, SUMMARY_NAME, lambda: write_summary(out / SUMMARY_NAME, summary)))
     if run.cfg.timeline and any(rec.trajectories or rec.records for rec in run.steps):
         from ..timeline import StepTimeline, plot_timeline
 
         panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
-        written.append(plot_timeline(panels, out / TIMELINE_NAME))
-    return written
+        written.append(_attempt(run, TIMELINE_NAME, lambda: plot_timeline(panels, out / TIMELINE_NAME)))
+    return [p for p in written if p is not None]
 
 
 async def _main(run: _CommandRun) -> int:
@@ -243,8 +274,24 @@ async def _main(run: _CommandRun) -> int:
             code = EXIT_INTERRUPTED
         with anyio.CancelScope(shield=True):
             run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
+        if run.write_errors:
+            code = EXIT_OUTPUT
+            run.error = _write_failure_message(run)
         tg.cancel_scope.cancel()
     return code
+
+
+def _write_failure_message(run: _CommandRun) -> str:
+    """What could not be written, and where the run's data is."""
+    stream = run.stream
+    kept = f"{stream.count} complete trajectories (whole lines) are in {stream.partial}" if stream is not None \
+        and stream.failed is not None else None
+    lines = ["could not write the run's outputs; the run was stopped:", *run.write_errors]
+    if kept:
+        lines.append(kept)
+    if run.written:
+        lines.append("written: " + ", ".join(str(p) for p in run.written))
+    return "\n  ".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,6 +312,10 @@ def run(args: argparse.Namespace) -> int:
         dataset = _load_data(cfg)
     except DatasetError as e:
         print(f"agentloop rollout: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    problems = preflight(cfg)  # before any engine starts
+    if problems:
+        print("agentloop rollout: " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_USAGE
     progress = RolloutProgress(quiet=cfg.quiet)
     if dataset.bad_rows:
@@ -335,7 +386,9 @@ def _print_result(state: _CommandRun, code: int) -> None:
     if not written:
         return
     summary_path = Path(state.cfg.out) / SUMMARY_NAME
-    total = json.loads(summary_path.read_text())["total"] if summary_path.exists() else {}
+    if not summary_path.exists():  # it could not be written: the error message says what there is
+        return
+    total = json.loads(summary_path.read_text())["total"]
     st = total.get("status", {})
     head = "interrupted" if code == EXIT_INTERRUPTED else ("failed" if code else "done")
     tps = total.get("tokens_per_second")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 import sys
 import threading
 import time
@@ -34,6 +35,8 @@ from .base import (
 )
 from .call_thread import run_in_thread, run_on_loop
 from .parsers import ToolCall
+from ..yaml_strict import mark_where
+from ..yaml_strict import safe_load as strict_yaml_load
 from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, BoundedText, Side, check_marker, truncate_by_tokens
 
 __all__ = ["ToolRegistry", "ToolConfigError", "load_tool_class"]
@@ -130,17 +133,23 @@ class ToolRegistry:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ToolRegistry":
+        """Build from a YAML tool config (see `from_config`). Errors are `ToolConfigError`s naming the
+        file and the line: of the YAML problem (a duplicated key included), or of the entry at fault."""
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as e:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
             raise ToolConfigError(f"cannot read tool config {path}: {e}") from None
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            data = strict_yaml_load(text)
         except yaml.YAMLError as e:
-            raise ToolConfigError(f"{path}: not valid YAML: {e}") from None
+            problem = getattr(e, "problem", None) or str(e)
+            raise ToolConfigError(f"{mark_where(path, e)}: not valid YAML: {problem}") from None
         try:
             return cls.from_config(data)
         except ToolConfigError as e:
-            raise ToolConfigError(f"{path}: {e}") from None
+            raise ToolConfigError(f"{path}{_entry_line(root, str(e))}: {e}") from None
 
     @classmethod
     def from_config(cls, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> "ToolRegistry":
@@ -409,6 +418,17 @@ async def _collect(out: Any, sink: BoundedText, name: str | None) -> None:
                 close()
     else:
         sink.feed(_as_text(out, name))
+
+
+def _entry_line(root: yaml.Node | None, message: str) -> str:
+    """`:line` of the `tools[i]` entry a message starts with (of the file's top node otherwise), or ""."""
+    m = re.match(r"tools\[(\d+)\]", message)
+    node = root
+    if isinstance(root, yaml.MappingNode):
+        node = next((v for k, v in root.value if getattr(k, "value", None) == "tools"), root)
+    if m is not None and isinstance(node, yaml.SequenceNode) and int(m.group(1)) < len(node.value):
+        node = node.value[int(m.group(1))]
+    return f":{node.start_mark.line + 1}" if node is not None else ""
 
 
 def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:
