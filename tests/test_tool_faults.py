@@ -139,10 +139,8 @@ async def test_a_hostile_tool_never_stalls_or_ends_the_step(case: str, tiny_engi
     rss0 = _rss_mb()
     async with Runtime(cfg, clients=[SGLangClient(url)], tools=ToolRegistry([make()])) as rt:
         for _ in range(2):
-            t0 = time.monotonic()
-            res = await rt.step(rows)
-            took = time.monotonic() - t0
-            assert took < BLOCK_S / 2, f"step took {took:.1f}s: the tool held it"
+            with anyio.fail_after(BLOCK_S / 2):  # hang guard: the tool holds its thread for BLOCK_S
+                res = await rt.step(rows)
             assert len(res.trajectories) == 4
             assert {t.status for t in res.trajectories} <= {"completed", "truncated"}, \
                 [(t.status, t.error) for t in res.trajectories]
