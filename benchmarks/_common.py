@@ -516,7 +516,9 @@ class BusySampler:
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
         # This process's own CPU time: on a small shared machine the client competes with the engine.
-        self._result["client_cpu_busy_fraction"] = r4((time.process_time() - self._own0) / max(wall, 1e-9))
+        own = time.process_time() - self._own0
+        self._result["client_cpu_seconds"] = r4(own)
+        self._result["client_cpu_busy_fraction"] = r4(own / max(wall, 1e-9))
         cpu = self._cpu_seconds()
         if cpu is not None and self._cpu0 >= 0:
             self._result["engine_cpu_busy_fraction"] = r4((cpu - self._cpu0) / max(wall, 1e-9))

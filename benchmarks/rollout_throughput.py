@@ -77,6 +77,8 @@ def _params(n: int) -> SamplingParams:
 def _summary(mode: str, wall: float, tokens: int, n_traj: int, requests: int, intervals: list[tuple[float, float]],
              t0: float, busy: dict[str, float], **extra: Any) -> dict[str, Any]:
     lat = [b - a for a, b in intervals]
+    if "client_cpu_seconds" in busy:  # the client's cost per unit of work, comparable across modes and engines
+        extra["client_cpu_seconds_per_1k_tokens"] = r4(1000.0 * busy["client_cpu_seconds"] / max(tokens, 1))
     return {"mode": mode, "wall_s": r4(wall), "generated_tokens": tokens, "tokens_per_s": r4(tokens / wall),
             "trajectories_per_s": r4(n_traj / wall), "requests": requests,
             "request_seconds_mean": r4(sum(lat) / len(lat)) if lat else 0.0,
@@ -337,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine_cpu_busy_fraction": "CPU engine process CPU seconds per wall second (its model runs on --engine-threads)",
         "gpu_utilization_mean": "nvidia-smi utilization.gpu, mean of 100 ms samples",
         "client_cpu_busy_fraction": "this benchmark process's CPU seconds per wall second (the client side)",
+        "client_cpu_seconds_per_1k_tokens": "this benchmark process's CPU seconds per 1000 generated tokens (agentloop: "
+                                            "the whole step, its wake-up and sleep included)",
         "request_seconds_mean": "mean time a model turn spent on the server (agentloop: excluding the wait for a "
                                 "per-server slot)",
         "ratios": "agentloop_over_X: median over repeats of (agentloop tokens/s / X tokens/s) within one repeat (the "

@@ -406,7 +406,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         async with Runtime(runtime_config(args, model_dir), reward_fn=reward_fn) as rt:
             assert rt.lifecycle is not None
-            rt.lifecycle.on_generate = on_generate
+            # the dispatch hook lives on the lifecycle's gate (or, in older versions, the lifecycle)
+            getattr(rt.lifecycle, "gate", rt.lifecycle).on_generate = on_generate
             report["engine_start_seconds"] = round(time.monotonic() - t0, 1)
             report["engine_urls"] = rt.lifecycle.urls
             report["memory"]["engine_started_asleep"] = gpu_used_gib()

@@ -5,15 +5,21 @@
 # On the GPU host, from the repo root, after `source shared/gpu/install_on_device.sh || exit 1`:
 #     bash tools/gpu_grpo.sh OUTDIR
 # GRPO_DRYRUN=1 runs the same with the CPU engine standing in for SGLang (tiny sizes; not GPU results).
-# Limits (seconds): GRPO_TINY_LIMIT (290), GRPO_REAL_LIMIT (230); GRPO_TINY_ARGS / GRPO_REAL_ARGS: more
-# flags for each run (e.g. "--steps 40"). Each run saves its JSON after every step and stops its SGLang
-# server on SIGTERM, so a run cut short keeps what it measured and frees the GPU for the next.
+# Then, if GRPO_TOOLTEST_MIN (110) seconds of GRPO_BUDGET (540, counted from this script's start) are left,
+# the tool-runtime GPU test (tests/gpu/test_runtime_tool_gpu.py::test_runtime_steps_with_tool_loop_on_sglang:
+# the shipped tiny tool model on SGLang under Runtime, 3 steps; its mean reward per step is what the
+# CPU engine's run of the same test is compared with) into gpu_tool_runtime.json.
+# Limits (seconds): GRPO_TINY_LIMIT (290), GRPO_REAL_LIMIT (230), each cut to what is left of the budget;
+# GRPO_TINY_ARGS / GRPO_REAL_ARGS: more flags for each run (e.g. "--steps 40"). Each run saves its JSON
+# after every step and stops its SGLang server on SIGTERM, so a run cut short keeps what it measured and
+# frees the GPU for the next.
 # Expected on an H200: tiny ~230 s cold (server start ~60-85 s + ~80 s JIT compile without a JIT
-# cache, held-out eval, 30 steps of ~2 s), real ~120 s (server start, 6 steps, probe): ~6.5 min.
+# cache, held-out evals, 30 steps of ~2 s; ~150 s with the cache), real ~130 s (server start, 6 steps,
+# probe), tool test ~100 s: 6-8 minutes, plus ~20-30 s of install before this script.
 #
 # OUTDIR receives (<= 8 files): grpo_gpu_tiny.{json,png}, grpo_gpu_real.{json,png}, grpo_gpu.log
-# (environment + both runs' output), grpo_gpu_server_logs.txt (SGLang logs without per-batch lines) and,
-# when no .gpu-out/jitcache.tgz was restored, a fresh jitcache.tgz (under 16 MB).
+# (environment + every run's output), grpo_gpu_server_logs.txt (SGLang logs without per-batch lines),
+# gpu_tool_runtime.json and, when no .gpu-out/jitcache.tgz was restored, a fresh jitcache.tgz (< 16 MB).
 set -u
 OUTDIR=${1:?usage: bash tools/gpu_grpo.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -22,6 +28,8 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 LOG="$OUTDIR/grpo_gpu.log"
 T0=$(date +%s)
+BUDGET=${GRPO_BUDGET:-540}
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 say() { echo "=== $* +$(( $(date +%s) - T0 ))s" | tee -a "$LOG"; }
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,6 +53,8 @@ leftovers() {  # GPU processes still alive after a run (its SGLang server should
 
 run_mode() {  # MODE LIMIT EXTRA_ARGS
   local mode=$1 limit=$2 extra=$3
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  [ "$limit" -lt 60 ] && { say "skip --mode $mode (${limit}s left)"; return; }
   say "grpo_gpu --mode $mode (limit ${limit}s)"
   mkdir -p "$WORK/tmp_$mode"  # SGLang's server log lands there (sglang_<port>.log)
   TMPDIR="$WORK/tmp_$mode" timeout -k 20 "$limit" python3 examples/grpo_gpu.py --mode "$mode" --engine "$ENGINE" \
@@ -57,7 +67,26 @@ run_mode() {  # MODE LIMIT EXTRA_ARGS
 run_mode tiny "${GRPO_TINY_LIMIT:-290}" "${GRPO_TINY_ARGS:-}"
 run_mode real "${GRPO_REAL_LIMIT:-230}" "${GRPO_REAL_ARGS:-}"
 
-for f in "$WORK"/tmp_*/sglang_*.log; do
+if [ "$(left)" -ge "${GRPO_TOOLTEST_MIN:-110}" ]; then
+  say "tool-runtime test (limit $(left)s)"
+  [ "$ENGINE" = cpu ] && export AGENTLOOP_GPU_DRYRUN=1
+  mkdir -p "$WORK/tmp_tooltest"
+  AGENTLOOP_GPU_OUT="$WORK/tmp_tooltest" AGENTLOOP_GPU_RESULTS="$OUTDIR/gpu_tool_runtime.json" \
+  AGENTLOOP_GPU_COMMAND="pytest tests/gpu/test_runtime_tool_gpu.py -k test_runtime_steps_with_tool_loop_on_sglang" \
+    timeout -k 20 "$(left)" python3 -m pytest tests/gpu/test_runtime_tool_gpu.py -m gpu -q -p no:cacheprovider \
+    -k test_runtime_steps_with_tool_loop_on_sglang 2>&1 | tail -15 | cut -c1-300 | tee -a "$LOG"
+  python3 - "$OUTDIR/gpu_tool_runtime.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+r = json.load(open(sys.argv[1]))["tests"].get("test_runtime_steps_with_tool_loop_on_sglang", {})
+print("tool test:", r.get("outcome"), "mean_reward per step:", [s.get("mean_reward") for s in r.get("steps", [])],
+      "tool calls:", [s.get("tool_calls") for s in r.get("steps", [])])
+PY
+  leftovers
+else
+  say "skip the tool-runtime test ($(left)s left)"
+fi
+
+for f in "$WORK"/tmp_*/sglang_*.log "$WORK"/tmp_tooltest/*.log; do
   [ -f "$f" ] || continue
   echo "===== $f ($(wc -c < "$f") bytes)"; grep -v "Decode batch\|Prefill batch" "$f" | tail -c 300000
   echo "----- last per-batch lines"; grep "Decode batch\|Prefill batch" "$f" | tail -20

@@ -1,0 +1,176 @@
+"""Where the client's CPU goes: agentloop vs a bare aiohttp client on the same multi-turn work, profiled.
+
+The same `replay` workload (N trajectories x K turns, prompt and turn lengths fixed, tool results of
+fixed length, no tool latency) is generated two ways against one engine, with this process's CPU time
+measured (`time.process_time`) and, in a second pass, profiled (`cProfile` with a CPU-time clock):
+
+- **bare**: one aiohttp session; per trajectory, turn after turn, POST SGLang's `/generate` JSON
+  (`input_ids`, sampling params, `return_logprob`), append the returned ids and some filler ids for the
+  tool result, at most `--concurrency` requests in flight — what any multi-turn client must do;
+- **agentloop**: `Runtime.step` with the replay agent loop (scheduler, router, lifecycle gate,
+  SGLangClient, token buffer, collation), per-server concurrency the same.
+
+Reported: CPU-seconds per 1k generated tokens for both and their ratio (the issue's target is <= 2),
+and agentloop's top functions by own CPU time and by cumulative CPU time (the profile's overhead
+inflates both ways alike; the ratio comes from the unprofiled pass).
+
+    python benchmarks/client_cpu_profile.py            # CPU engine, about a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import benchmark_parser, filler_ids, open_engine, r4, run_benchmark, runtime_config  # noqa: E402
+
+from agentloop.runtime import Runtime  # noqa: E402
+from agentloop.types import Sample  # noqa: E402
+
+
+def workload(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    last = args.turns - 1
+    return [[{"gen_tokens": args.gen_tokens, "tool_latency_s": 0.0, "tool_result_tokens": 0 if k == last else args.tool_tokens}
+             for k in range(args.turns)] for _ in range(args.trajectories)]
+
+
+async def run_bare(url: str, args: argparse.Namespace) -> int:
+    limit = anyio.Semaphore(args.concurrency)
+    tokens = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one(i: int) -> None:
+            nonlocal tokens
+            ids = filler_ids(args.prompt_tokens, salt=i)
+            for k in range(args.turns):
+                body = {"input_ids": ids, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": args.gen_tokens, "temperature": 1.0, "ignore_eos": True}}
+                async with limit:
+                    async with s.post(url + "/generate", json=body) as r:
+                        out = await r.json()
+                new = out["output_ids"]
+                lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+                assert len(new) == len(lps) == args.gen_tokens
+                tokens += len(new)
+                ids = ids + new + (filler_ids(args.tool_tokens, salt=i + k) if k < args.turns - 1 else [])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(args.trajectories):
+                tg.start_soon(one, i)
+    return tokens
+
+
+async def run_agentloop(rt: Runtime, work: list[list[dict[str, Any]]], args: argparse.Namespace, tag: str) -> int:
+    samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
+                      extra={"replay": {"prompt_tokens": args.prompt_tokens, "turns": turns}})
+               for i, turns in enumerate(work)]
+    res = await rt.step(samples, None, concurrency=args.trajectories)
+    return int(res.metrics["sampled_tokens"])
+
+
+def top(prof: cProfile.Profile, key: str, n: int) -> list[dict[str, Any]]:
+    st = pstats.Stats(prof, stream=io.StringIO())
+    st.sort_stats(key)
+    out = []
+    for func in st.fcn_list[:n]:  # type: ignore[attr-defined]
+        cc, nc, tt, ct, _ = st.stats[func]  # type: ignore[attr-defined]
+        file, line, name = func
+        out.append({"function": f"{Path(file).name}:{line}({name})", "path": file, "calls": nc,
+                    "own_cpu_s": r4(tt), "cumulative_cpu_s": r4(ct)})
+    return out
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with open_engine(args, max_running=max(256, args.concurrency)) as engine:
+        out["engine"] = engine.description
+        cfg = runtime_config(engine, argparse.Namespace(gen_max=args.gen_tokens, turns=args.turns),
+                             concurrency=args.trajectories, per_server_concurrency=args.concurrency)
+        work = workload(args)
+        async with Runtime(cfg) as rt:
+            await run_agentloop(rt, workload(argparse.Namespace(**{**vars(args), "trajectories": 4})), args, "warm")
+            await run_bare(engine.url, argparse.Namespace(**{**vars(args), "trajectories": 4}))
+            cpu: dict[str, list[float]] = {"bare": [], "agentloop": []}
+            for rep in range(args.repeats):
+                for mode in (("bare", "agentloop") if rep % 2 == 0 else ("agentloop", "bare")):
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    tokens = await (run_bare(engine.url, args) if mode == "bare" else run_agentloop(rt, work, args, f"r{rep}"))
+                    c, w = time.process_time() - c0, time.perf_counter() - w0
+                    cpu[mode].append(1000 * c / tokens)
+                    print(f"{mode:9s} {tokens} tokens  {w:6.2f}s wall  {c:6.2f}s CPU  {1000 * c / tokens:.4f} CPU-s/1k tok",
+                          flush=True)
+            out["cpu_seconds_per_1k_tokens"] = {m: r4(sorted(v)[len(v) // 2]) for m, v in cpu.items()}
+            out["cpu_seconds_per_1k_tokens_all"] = {m: [r4(x) for x in v] for m, v in cpu.items()}
+            out["agentloop_over_bare_cpu"] = r4(out["cpu_seconds_per_1k_tokens"]["agentloop"] /
+                                                out["cpu_seconds_per_1k_tokens"]["bare"])
+            profiles = {}
+            for mode in ("bare", "agentloop"):
+                prof = cProfile.Profile(time.process_time)
+                prof.enable()
+                tokens = await (run_bare(engine.url, args) if mode == "bare" else run_agentloop(rt, work, args, "prof"))
+                prof.disable()
+                total = sum(v[2] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
+                profiles[mode] = {"tokens": tokens, "profiled_cpu_s": r4(total),
+                                  "top_own": top(prof, "tottime", args.top), "top_cumulative": top(prof, "cumulative", args.top)}
+                if args.pstats:
+                    prof.dump_stats(str(Path(args.out) / f"client_cpu_profile_{mode}.pstats"))
+            out["profiles"] = profiles
+    print(f"CPU-s per 1k tokens: bare {out['cpu_seconds_per_1k_tokens']['bare']}, agentloop "
+          f"{out['cpu_seconds_per_1k_tokens']['agentloop']} (x{out['agentloop_over_bare_cpu']})")
+    for f in out["profiles"]["agentloop"]["top_own"][:15]:
+        print(f"  own {f['own_cpu_s']:7.3f}s  cum {f['cumulative_cpu_s']:7.3f}s  calls {f['calls']:7d}  {f['function']}")
+    return out
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    from _common import pyplot, save_figure, title_suffix
+
+    plt = pyplot()
+    fns = report["profiles"]["agentloop"]["top_own"][:12][::-1]
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1, 3]})
+    c = report["cpu_seconds_per_1k_tokens"]
+    ax[0].bar(["bare aiohttp", "agentloop"], [c["bare"], c["agentloop"]])
+    ax[0].set(ylabel="client CPU-seconds per 1k generated tokens", title=f"x{report['agentloop_over_bare_cpu']}")
+    ax[1].barh([f["function"][:60] for f in fns], [f["own_cpu_s"] for f in fns])
+    ax[1].tick_params(axis="y", labelsize=7)
+    ax[1].set(xlabel="own CPU seconds (cProfile)", title="agentloop: top functions by own CPU time")
+    fig.suptitle(f"Client CPU cost, {title_suffix(report)}", fontsize=9)
+    save_figure(fig, path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = benchmark_parser(__doc__)
+    p.add_argument("--trajectories", type=int, default=64)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=8)
+    p.add_argument("--tool-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--pstats", action="store_true", help="also write the raw .pstats files next to the JSON")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.trajectories, args.turns, args.repeats, args.top = 8, 2, 1, 10
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark("client_cpu_profile", argv, parse_args, {
+        "cpu_seconds_per_1k_tokens": "this process's CPU seconds (time.process_time) per 1000 generated tokens, median "
+                                     "over repeats, unprofiled",
+        "top_own / top_cumulative": "cProfile with a CPU-time clock, one extra pass of each way",
+    }, measure, plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

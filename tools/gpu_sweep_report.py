@@ -1,0 +1,174 @@
+"""Merge the per-point results of `tools/gpu_sweep.sh` into one report, with SGLang's own log figures.
+
+Each throughput point of the sweep is one `benchmarks/rollout_throughput.py` run (its own JSON). This
+puts their points into one `rollout_throughput_sweep_<engine>.json` (the first point's header: command,
+versions, hardware, definitions; every point's own command kept) and adds, per point, what the server
+logged while that point ran (the byte window of its log that `gpu_sweep.sh` recorded): SGLang's
+"Decode batch" lines (`gen throughput (token/s)`, `#running-req`, `token usage`, whether a CUDA graph
+ran) and "Prefill batch" lines (new and cached prompt tokens) — the engine's view of the same load,
+to set against the client's tokens/s and explain the ceiling. Plots: tokens/s per point (the
+benchmark's own plot), and client CPU-seconds per 1k generated tokens with SGLang's decode throughput.
+
+    python tools/gpu_sweep_report.py --points DIR --windows FILE --server-log LOG --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+_NUM = r"([0-9.]+)"
+_DECODE = {"gen_throughput": rf"gen throughput \(token/s\): {_NUM}", "running_req": rf"#running-req: {_NUM}",
+           "token_usage": rf"token usage: {_NUM}", "queue_req": rf"#queue-req: {_NUM}"}
+_PREFILL = {"new_seq": rf"#new-seq: {_NUM}", "new_token": rf"#new-token: {_NUM}", "cached_token": rf"#cached-token: {_NUM}"}
+
+
+def parse_window(text: str) -> dict[str, Any]:
+    """Summary of SGLang's per-batch log lines in `text` (decode lines are logged every N decode steps)."""
+    dec: dict[str, list[float]] = {k: [] for k in _DECODE}
+    pre: dict[str, list[float]] = {k: [] for k in _PREFILL}
+    graph = 0
+    for line in text.splitlines():
+        if "Decode batch" in line:
+            for k, rx in _DECODE.items():
+                m = re.search(rx, line)
+                if m:
+                    dec[k].append(float(m.group(1)))
+            graph += bool(re.search(r"graph: True", line))
+        elif "Prefill batch" in line:
+            for k, rx in _PREFILL.items():
+                m = re.search(rx, line)
+                if m:
+                    pre[k].append(float(m.group(1)))
+    out: dict[str, Any] = {"decode_lines": len(dec["gen_throughput"]), "prefill_lines": len(pre["new_seq"])}
+    for k, xs in dec.items():
+        if xs:
+            out[f"decode_{k}_mean"] = round(statistics.fmean(xs), 2)
+            out[f"decode_{k}_max"] = round(max(xs), 2)
+    if dec["gen_throughput"]:
+        out["decode_gen_throughput_p50"] = round(statistics.median(dec["gen_throughput"]), 2)
+        out["decode_lines_with_cuda_graph"] = graph
+    for k, xs in pre.items():
+        if xs:
+            out[f"prefill_{k}_sum"] = int(sum(xs))
+    if pre["new_token"] and pre["cached_token"]:
+        total = sum(pre["new_token"]) + sum(pre["cached_token"])
+        out["prefill_cache_hit_fraction"] = round(sum(pre["cached_token"]) / total, 4) if total else 0.0
+    return out
+
+
+def read_windows(path: Path) -> dict[str, tuple[int, int, int]]:
+    out: dict[str, tuple[int, int, int]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                out[parts[0]] = (int(parts[1]), int(parts[2]), int(parts[3]))
+    return out
+
+
+def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes) -> dict[str, Any] | None:
+    reports = []
+    for d in sorted(points_dir.iterdir()) if points_dir.is_dir() else []:
+        for f in d.glob("rollout_throughput_*.json"):
+            reports.append((d.name, json.loads(f.read_text())))
+    if not reports:
+        return None
+    merged = {k: v for k, v in reports[0][1].items() if k not in ("points", "runs", "complete")}
+    merged["benchmark"] = "rollout_throughput_sweep"
+    merged["points"], merged["runs"], merged["point_commands"] = [], [], []
+    merged["complete"] = all(r.get("complete") for _, r in reports)
+    for name, r in reports:
+        win = windows.get(f"throughput_{name}")
+        for p in r.get("points", []):
+            if win is not None:
+                p["sglang_log"] = parse_window(log[win[0]:win[1]].decode(errors="replace"))
+                p["exit_code"] = win[2]
+            p["client_cpu_seconds_per_1k_tokens"] = {m: p[m].get("client_cpu_seconds_per_1k_tokens")
+                                                     for m in ("ceiling", "agentloop", "turn_sync") if m in p}
+            merged["points"].append(p)
+        merged["runs"] += r.get("runs", [])
+        merged["point_commands"].append(r.get("command"))
+    merged["points"].sort(key=lambda p: (p["tool_latency_mean_s"], p["concurrency"]))
+    merged["definitions"] = dict(merged.get("definitions", {}), sglang_log=(
+        "SGLang's own per-batch log lines during the point's run (ceiling, agentloop and turn-sync together): "
+        "decode gen throughput (token/s, SGLang's figure over its log interval), running requests, KV token "
+        "usage, CUDA-graph use; prefill new/cached prompt tokens"))
+    return merged
+
+
+def table(merged: dict[str, Any]) -> str:
+    rows = ["lat_s  conc  ceil_tok/s  agent_tok/s  sync_tok/s  a/ceil  a/sync  cpu_s/1k(ceil,agent,sync)  "
+            "sglang_decode_tok/s(mean,max)  running_req_mean"]
+    for p in merged["points"]:
+        c = p["client_cpu_seconds_per_1k_tokens"]
+        s = p.get("sglang_log", {})
+        rows.append(f"{p['tool_latency_mean_s']:5g} {p['concurrency']:5d} {p['ceiling']['tokens_per_s']:11.0f} "
+                    f"{p['agentloop']['tokens_per_s']:12.0f} {p['turn_sync']['tokens_per_s']:11.0f} "
+                    f"{p['agentloop_over_ceiling']:7.3f} {p['agentloop_over_turn_sync']:7.3f}  "
+                    f"{c.get('ceiling')}, {c.get('agentloop')}, {c.get('turn_sync')}  "
+                    f"{s.get('decode_gen_throughput_mean')}, {s.get('decode_gen_throughput_max')}  "
+                    f"{s.get('decode_running_req_mean')}")
+    return "\n".join(rows)
+
+
+def plot_cpu(merged: dict[str, Any], path: Path) -> None:
+    from _common import pyplot, save_figure, title_suffix
+
+    plt = pyplot()
+    pts = merged["points"]
+    labels = [f"c={p['concurrency']}\n{p['tool_latency_mean_s']:g}s" for p in pts]
+    fig, ax = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(pts)), 4.4))
+    width = 0.27
+    for k, mode in enumerate(("ceiling", "agentloop", "turn_sync")):
+        ax[0].bar([i + (k - 1) * width for i in range(len(pts))],
+                  [p["client_cpu_seconds_per_1k_tokens"].get(mode) or 0.0 for p in pts], width, label=mode)
+    ax[0].set_xticks(range(len(pts)), labels, fontsize=7)
+    ax[0].set(ylabel="client CPU-seconds per 1k generated tokens", title="client CPU cost")
+    ax[0].legend(fontsize=8)
+    for k, (key, label) in enumerate((("ceiling", "client: ceiling tok/s"), ("agentloop", "client: agentloop tok/s"))):
+        ax[1].bar([i + (k - 1) * width for i in range(len(pts))], [p[key]["tokens_per_s"] for p in pts], width, label=label)
+    ax[1].bar([i + width for i in range(len(pts))], [p.get("sglang_log", {}).get("decode_gen_throughput_max", 0.0)
+                                                     for p in pts], width, label="SGLang log: decode tok/s (max)")
+    ax[1].set_xticks(range(len(pts)), labels, fontsize=7)
+    ax[1].set(ylabel="tokens / s", title="client throughput vs SGLang's own decode figure")
+    ax[1].legend(fontsize=8)
+    fig.suptitle(f"Rollout sweep: {title_suffix(merged)}", fontsize=9)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--points", type=Path, required=True, help="folder of per-point result folders")
+    p.add_argument("--windows", type=Path, required=True, help="'name start end rc' lines: each part's log byte window")
+    p.add_argument("--server-log", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    log = a.server_log.read_bytes() if a.server_log.is_file() else b""
+    merged = merge(a.points, read_windows(a.windows), log)
+    if merged is None:
+        print("no throughput point finished: nothing to merge")
+        return 1
+    engine = merged.get("settings", {}).get("engine", "sglang")
+    a.out.mkdir(parents=True, exist_ok=True)
+    json_path = a.out / f"rollout_throughput_sweep_{engine}.json"
+    json_path.write_text(json.dumps(merged, indent=1) + "\n")
+    from rollout_throughput import plot
+
+    plot(merged, a.out / f"rollout_throughput_sweep_{engine}.png")
+    plot_cpu(merged, a.out / f"rollout_throughput_sweep_cpu_{engine}.png")
+    print(table(merged))
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
