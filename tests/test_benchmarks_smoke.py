@@ -88,3 +88,27 @@ def test_long_tail_smoke(tmp_path: Path) -> None:
     assert r["steps"]["oversample"][1]["carried_in"] > 0
     assert all(st["carried_out"] == 0 for st in r["steps"]["wait_all"])
     assert "step_time_reduction" in r["summary"]
+
+
+@pytest.mark.slow
+def test_weight_update_smoke(tmp_path: Path) -> None:
+    r = run_smoke("weight_update", tmp_path)
+    assert r["weights"]["tensors"] > 0 and r["weights"]["bytes"] > 0
+    # the CPU engine takes safetensors: agentloop's own path and the one-tensor request (SGLang adds the raw ways)
+    assert set(r["methods"]) == {"agentloop", "noop"}
+    for m in r["methods"].values():
+        assert m["seconds"] > 0 and m["gb_per_s"] > 0 and m["requests"] == 1
+    assert r["methods"]["agentloop"]["bytes"] == r["weights"]["bytes"] > r["methods"]["noop"]["bytes"]
+
+
+@pytest.mark.slow
+def test_client_cpu_profile_smoke(tmp_path: Path) -> None:
+    r = run_smoke("client_cpu_profile", tmp_path)
+    cpu = r["cpu_seconds_per_1k_tokens"]
+    assert cpu["bare"] > 0 and cpu["agentloop"] > 0
+    assert r["agentloop_over_bare_cpu"] == pytest.approx(cpu["agentloop"] / cpu["bare"], rel=1e-3)
+    for mode in ("bare", "agentloop"):
+        prof = r["profiles"][mode]
+        assert prof["tokens"] > 0 and prof["top_own"] and prof["top_cumulative"]
+    # the profile sees agentloop's own modules, not only the event loop
+    assert any("agentloop" in f["path"] for f in r["profiles"]["agentloop"]["top_cumulative"])

@@ -142,7 +142,8 @@ n=0
 for pt in $POINTS; do
   c=${pt%%:*}; lat=${pt##*:}
   [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
-  run_part "throughput_c${c}_l${lat}" 150 rollout_throughput --out "$WORK/points/c${c}_l${lat}" $SIZE_TP \
+  limit=150; [ "${lat%%.*}" -ge 1 ] 2>/dev/null && limit=200  # 2 s tools: turn-sync waits out two tails of 1024 draws
+  run_part "throughput_c${c}_l${lat}" $limit rollout_throughput --out "$WORK/points/c${c}_l${lat}" $SIZE_TP \
     --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1
   [ $? = 2 ] && break
   n=$((n + 1))

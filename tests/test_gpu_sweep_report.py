@@ -1,0 +1,67 @@
+"""`tools/gpu_sweep_report.py`: SGLang's per-batch log lines summarised per sweep point, points merged.
+
+The log lines are in sglang 0.5.17's format (`scheduler_components/metrics_reporter.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_sweep_report", ROOT / "tools" / "gpu_sweep_report.py")
+assert _spec is not None and _spec.loader is not None
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+DECODE = ("[2026-12-03 08:01:02] Decode batch, #running-req: {r}, #token: 51200, token usage: {u}, cuda graph: {g}, "
+          "gen throughput (token/s): {t}, #queue-req: 0")
+PREFILL = ("[2026-12-03 08:01:01] Prefill batch, #new-seq: {s}, #new-token: {n}, #cached-token: {c}, token usage: 0.01, "
+           "#running-req: 0, #queue-req: 0, #pending-token: 0, ")
+
+
+def test_parse_window_summarises_decode_and_prefill_lines() -> None:
+    text = "\n".join([PREFILL.format(s=4, n=1024, c=0), DECODE.format(r=256, u=0.10, g="True", t=15000.0),
+                      "INFO some other line", PREFILL.format(s=2, n=100, c=412),
+                      DECODE.format(r=128, u=0.20, g="False", t=9000.0)])
+    s = report.parse_window(text)
+    assert s["decode_lines"] == 2 and s["prefill_lines"] == 2
+    assert s["decode_gen_throughput_mean"] == 12000.0 and s["decode_gen_throughput_max"] == 15000.0
+    assert s["decode_running_req_mean"] == 192.0 and s["decode_token_usage_max"] == 0.2
+    assert s["decode_lines_with_cuda_graph"] == 1
+    assert s["prefill_new_token_sum"] == 1124 and s["prefill_cached_token_sum"] == 412
+    assert s["prefill_cache_hit_fraction"] == pytest.approx(412 / 1536, abs=1e-4)
+    assert report.parse_window("no batch lines here") == {"decode_lines": 0, "prefill_lines": 0}
+
+
+def _point(conc: int, lat: float) -> dict:
+    modes = {m: {"tokens_per_s": 100.0 * (k + 1), "client_cpu_seconds_per_1k_tokens": 0.1 * (k + 1)}
+             for k, m in enumerate(("ceiling", "agentloop", "turn_sync"))}
+    return {"tool_latency_mean_s": lat, "concurrency": conc, **modes, "agentloop_over_ceiling": 2.0,
+            "agentloop_over_turn_sync": 0.67}
+
+
+def test_merge_takes_each_points_log_window(tmp_path: Path) -> None:
+    log = b""
+    windows = {}
+    for name, conc, lat, tput in (("c256_l0.5", 256, 0.5, 15000.0), ("c64_l0.5", 64, 0.5, 5000.0)):
+        d = tmp_path / "points" / name
+        d.mkdir(parents=True)
+        (d / "rollout_throughput_sglang.json").write_text(json.dumps({
+            "benchmark": "rollout_throughput", "command": f"python benchmarks/rollout_throughput.py --concurrency {conc}",
+            "settings": {"engine": "sglang"}, "points": [_point(conc, lat)], "runs": [{"mode": "ceiling"}],
+            "complete": True}))
+        start = len(log)
+        log += (DECODE.format(r=conc, u=0.1, g="True", t=tput) + "\n").encode()
+        windows[f"throughput_{name}"] = (start, len(log), 0)
+    merged = report.merge(tmp_path / "points", windows, log)
+    assert merged is not None and merged["benchmark"] == "rollout_throughput_sweep" and merged["complete"]
+    by_conc = {p["concurrency"]: p for p in merged["points"]}
+    assert by_conc[256]["sglang_log"]["decode_gen_throughput_max"] == 15000.0  # its own window, not the other's
+    assert by_conc[64]["sglang_log"]["decode_running_req_mean"] == 64.0
+    assert by_conc[64]["client_cpu_seconds_per_1k_tokens"] == {"ceiling": 0.1, "agentloop": 0.2, "turn_sync": pytest.approx(0.3)}
+    assert len(merged["point_commands"]) == 2 and len(merged["runs"]) == 2
+    rows = report.table(merged).splitlines()
+    assert len(rows) == 3 and rows[1].split()[:2] == ["0.5", "64"] and rows[2].split()[:2] == ["0.5", "256"]
