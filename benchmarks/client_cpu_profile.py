@@ -32,8 +32,17 @@ import aiohttp
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import benchmark_parser, filler_ids, open_engine, r4, run_benchmark, runtime_config  # noqa: E402
+from _common import (  # noqa: E402
+    benchmark_parser,
+    filler_ids,
+    open_engine,
+    r4,
+    run_benchmark,
+    runtime_config,
+    trainer_weights,
+)
 
+from agentloop.engine.lifecycle import Weights  # noqa: E402
 from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
@@ -69,11 +78,12 @@ async def run_bare(url: str, args: argparse.Namespace) -> int:
     return tokens
 
 
-async def run_agentloop(rt: Runtime, work: list[list[dict[str, Any]]], args: argparse.Namespace, tag: str) -> int:
+async def run_agentloop(rt: Runtime, work: list[list[dict[str, Any]]], args: argparse.Namespace, tag: str,
+                        weights: Weights) -> int:
     samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
                       extra={"replay": {"prompt_tokens": args.prompt_tokens, "turns": turns}})
                for i, turns in enumerate(work)]
-    res = await rt.step(samples, None, concurrency=args.trajectories)
+    res = await rt.step(samples, weights, concurrency=args.trajectories)
     return int(res.metrics["sampled_tokens"])
 
 
@@ -95,16 +105,48 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         out["engine"] = engine.description
         cfg = runtime_config(engine, argparse.Namespace(gen_max=args.gen_tokens, turns=args.turns),
                              concurrency=args.trajectories, per_server_concurrency=args.concurrency)
-        work = workload(args)
+        weights_sd = trainer_weights(engine)
+        version = 0
+
+        def weights() -> Weights:
+            nonlocal version
+            version += 1
+            return Weights(state_dict=weights_sd, version=f"w{version}")
+
         async with Runtime(cfg) as rt:
-            await run_agentloop(rt, workload(argparse.Namespace(**{**vars(args), "trajectories": 4})), args, "warm")
-            await run_bare(engine.url, argparse.Namespace(**{**vars(args), "trajectories": 4}))
+            assert rt.lifecycle is not None
+            lc = rt.lifecycle
+
+            async def run(mode: str, a: argparse.Namespace, tag: str) -> int:
+                """Generated tokens of one run; only the run itself is inside the caller's measurement."""
+                if mode == "agentloop":
+                    return await run_agentloop(rt, workload(a), a, tag, weights())
+                return await run_bare(engine.url, a)
+
+            async def measured(mode: str, a: argparse.Namespace, tag: str,
+                               prof: cProfile.Profile | None = None) -> tuple[int, float, float]:
+                if mode == "bare":  # the engine sleeps between steps: wake it (outside the measurement) as a step does
+                    await lc.wake_up(weights())
+                try:
+                    if prof is not None:
+                        prof.enable()
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    tokens = await run(mode, a, tag)
+                    c, w = time.process_time() - c0, time.perf_counter() - w0
+                    if prof is not None:
+                        prof.disable()
+                    return tokens, c, w
+                finally:
+                    if mode == "bare":
+                        await lc.sleep()
+
+            warm = argparse.Namespace(**{**vars(args), "trajectories": 4})
+            for mode in ("agentloop", "bare"):
+                await measured(mode, warm, "warm")
             cpu: dict[str, list[float]] = {"bare": [], "agentloop": []}
             for rep in range(args.repeats):
                 for mode in (("bare", "agentloop") if rep % 2 == 0 else ("agentloop", "bare")):
-                    c0, w0 = time.process_time(), time.perf_counter()
-                    tokens = await (run_bare(engine.url, args) if mode == "bare" else run_agentloop(rt, work, args, f"r{rep}"))
-                    c, w = time.process_time() - c0, time.perf_counter() - w0
+                    tokens, c, w = await measured(mode, args, f"r{rep}")
                     cpu[mode].append(1000 * c / tokens)
                     print(f"{mode:9s} {tokens} tokens  {w:6.2f}s wall  {c:6.2f}s CPU  {1000 * c / tokens:.4f} CPU-s/1k tok",
                           flush=True)
@@ -115,9 +157,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             profiles = {}
             for mode in ("bare", "agentloop"):
                 prof = cProfile.Profile(time.process_time)
-                prof.enable()
-                tokens = await (run_bare(engine.url, args) if mode == "bare" else run_agentloop(rt, work, args, "prof"))
-                prof.disable()
+                tokens, _, _ = await measured(mode, args, "prof", prof)
                 total = sum(v[2] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
                 profiles[mode] = {"tokens": tokens, "profiled_cpu_s": r4(total),
                                   "top_own": top(prof, "tottime", args.top), "top_cumulative": top(prof, "cumulative", args.top)}

@@ -97,7 +97,8 @@ def test_weight_update_smoke(tmp_path: Path) -> None:
     # the CPU engine takes safetensors: agentloop's own path and the one-tensor request (SGLang adds the raw ways)
     assert set(r["methods"]) == {"agentloop", "noop"}
     for m in r["methods"].values():
-        assert m["seconds"] > 0 and m["gb_per_s"] > 0 and m["requests"] == 1
+        assert m["seconds"] > 0 and m["requests"] == 1
+    assert r["methods"]["agentloop"]["gb_per_s"] > 0  # (the one-tensor request's rounds to 0 GB/s)
     assert r["methods"]["agentloop"]["bytes"] == r["weights"]["bytes"] > r["methods"]["noop"]["bytes"]
 
 
