@@ -42,6 +42,7 @@ __all__ = [
     "call_reward",
     "RewardTimeout",
     "reward_name",
+    "to_reward_result",
     "last_assistant_text",
 ]
 
@@ -103,7 +104,9 @@ def _accepts(fn: Any, name: str) -> bool:
     return any((p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _coerce(value: Any, name: str) -> RewardResult:
+def to_reward_result(value: Any, name: str) -> RewardResult:
+    """A reward function's value (float, `RewardResult`, dict with "reward") as a checked `RewardResult`;
+    raises TypeError/ValueError naming `name` for anything else."""
     if isinstance(value, RewardResult):
         result = value
     elif isinstance(value, numbers.Real):  # also numpy scalars
@@ -171,7 +174,7 @@ async def call_reward(
         if scope is None or not scope.cancel_called:
             raise  # the grader's own timeout (e.g. an HTTP call of a judge): its message says what
         raise RewardTimeout(f"reward {name!r} timed out after {timeout:g} s") from None
-    return None if value is None else _coerce(value, name)
+    return None if value is None else to_reward_result(value, name)
 
 
 async def score(

@@ -54,7 +54,7 @@ from .runtime_types import (
     check_pad_to,
 )
 from .scheduler import ScheduleResult, Scheduler, with_overrides
-from .types import Sample, Trajectory
+from .types import Sample, Trajectory, training_rows
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class Runtime:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
+        if self.scheduler is not None:
+            try:
+                await self.scheduler.aclose()
+            except Exception as e:  # the engines must still be stopped
+                log.error("closing the agent loops failed: %s", e)
         for c in self.clients:
             with contextlib.suppress(Exception):
                 await c.close()
@@ -291,8 +296,9 @@ class Runtime:
                             "sleep before waking)", result.trajectories, result.carry_over) from e
             t_end = time.monotonic()
             assert result is not None
+            rows = training_rows(result.trajectories)  # a split trajectory is one row per segment
             try:
-                batch = collate(result.trajectories, pad_token_id=self.pad_token_id, pad_to=pad_to)
+                batch = collate(rows, pad_token_id=self.pad_token_id, pad_to=pad_to)
             except CollateError as e:
                 raise StepCollateError(f"step {self.steps_done + 1}: {e} (the step's trajectories and carry-over are on "
                                        "this exception)", result.trajectories, result.carry_over) from e
@@ -313,7 +319,7 @@ class Runtime:
                 generations_outside_awake=lc.generations_outside_awake,
             )
             return StepResult(
-                step=self.steps_done, weight_version=version, trajectories=result.trajectories, batch=batch,
+                step=self.steps_done, weight_version=version, trajectories=rows, batch=batch,
                 carry_over=result.carry_over, metrics=metrics, rejected=result.rejected,
             )
 

@@ -156,6 +156,11 @@ class Scheduler:
         finally:
             self._runs.remove(run)
 
+    async def aclose(self) -> None:
+        """Release what the agent loops hold across trajectories (the runtime is stopping)."""
+        for agent in self._agents.values():
+            await agent.aclose()
+
     def stop(self, reason: str = "stopped") -> None:
         """Stop every running `run`: nothing new starts or is dispatched, in-flight requests are aborted;
         the stopped trajectories come back as carry-over. (Used before a sleep in the middle of a step.)"""

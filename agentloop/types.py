@@ -7,7 +7,7 @@ logprobs of them (0.0 at mask-0 positions). Nothing is decoded and re-encoded on
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
@@ -85,6 +85,10 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     index_in_group: int = 0
+    #: Earlier training segments of this trajectory, each a complete token sequence of its own: an
+    #: agent that rewrote its history (the `openai` loop) left these conversations behind. This
+    #: trajectory is the last segment; `training_rows` lays them out as rows (docs/openai_agents.md).
+    segments: list["Trajectory"] = field(default_factory=list)
 
     @property
     def weight_versions(self) -> list[str]:
@@ -108,3 +112,21 @@ class Trajectory:
                 covered[i] = 1
         if covered != list(self.response_mask):
             raise ValueError(f"trajectory {self.uid}: response_mask does not match the recorded model turns")
+        for seg in self.segments:
+            seg.check_invariants()
+
+
+def training_rows(trajectories: "list[Trajectory]") -> "list[Trajectory]":
+    """One row per token sequence: each trajectory's earlier `segments` (given the trajectory's reward,
+    status and finish reason: one outcome for the whole run), then the trajectory itself without them.
+    Trajectories without segments pass through as they are."""
+    rows: list[Trajectory] = []
+    for t in trajectories:
+        if not t.segments:
+            rows.append(t)
+            continue
+        for seg in t.segments:
+            rows.append(replace(seg, reward=t.reward, status=t.status, finish_reason=t.finish_reason,
+                                error=t.error, index_in_group=t.index_in_group, group_id=t.group_id))
+        rows.append(replace(t, segments=[]))
+    return rows

@@ -85,6 +85,9 @@ class AgentConfig(BaseModel):
         description="Keyword arguments for the tokenizer's `apply_chat_template`, used for the prompt and every turn "
         "delta (e.g. {enable_thinking: false}).",
     )
+    function: str | None = Field(
+        None, description="The `openai` agent loop's agent function, 'package.module:function' (async (client, sample) "
+        "-> result; docs/openai_agents.md); a sample's extra['function'] overrides it.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Free settings for custom agent loops (`ctx.config.extra`).")
 
     @field_validator("tool_response_truncation_marker")
@@ -167,6 +170,10 @@ class AgentLoop(ABC):
     async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
         """Run one episode. Must return a trajectory (status failed/aborted/truncated included)
         rather than raise for anything the model or a tool did wrong."""
+
+    async def aclose(self) -> None:
+        """Release what the loop holds across trajectories (e.g. the `openai` loop's server); the
+        scheduler calls it when the runtime stops. Default: nothing to release."""
 
 
 _REGISTRY: dict[str, type[AgentLoop]] = {}

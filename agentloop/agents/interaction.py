@@ -14,13 +14,13 @@ worker, like tools.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Awaitable, Callable, Mapping, Union
 
 import anyio
 
 from ..types import Sample
+from .resolve import import_path
 
 __all__ = [
     "Interaction",
@@ -72,16 +72,7 @@ def get_interaction(spec: Union[str, Interaction]) -> Interaction:
             f"unknown interaction {spec!r}; registered: {registered_interactions()} "
             "(or give an importable 'package.module:function' path)"
         )
-    module_name, _, attr_path = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"interaction {spec!r}: cannot import module {module_name!r}: {e}") from None
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportError(f"interaction {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    obj: Any = import_path(spec, f"interaction {spec!r}")
     if isinstance(obj, type):  # a stateful interaction class (like verl's): one instance per worker
         try:
             obj = obj()

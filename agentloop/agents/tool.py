@@ -82,7 +82,7 @@ class ToolAgent(AgentLoop):
             content, calls = parser.parse(ep.turn_text())
             for i, c in enumerate(calls):  # stable per trajectory, turn and position (a resumed turn keeps its number)
                 c.id = c.id or f"call_{ep.sample.uid}_{ep.assistant_turns}_{i}"
-            ep.show_assistant(_assistant_message(content, calls))
+            ep.show_assistant(assistant_message(content, calls))
             if calls:
                 if ep.assistant_turns >= cfg.max_assistant_turns:
                     ep.finish("truncated", "max_assistant_turns")
@@ -154,7 +154,8 @@ class ToolAgent(AgentLoop):
         return results
 
 
-def _assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The OpenAI-format assistant message of a parsed turn (also what the `openai` endpoint returns)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [
