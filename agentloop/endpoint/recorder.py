@@ -137,9 +137,14 @@ class TrajectoryRecorder:
             raise self._budget_error(b.reason) from None
         except EngineError as e:
             raise EndpointError(502, f"the engine failed this call: {e}", type="server_error", code="engine_error") from e
-        if out.aborted:
-            self.stopped = f"the call was aborted ({out.finish_reason.get('message') or 'abort'})"
-            raise EndpointError(503, self.stopped, type="server_error", code="aborted")
+        if out.aborted:  # stopped (sleep, early stop, timeout) before or while generating
+            why = out.finish_reason.get("message") or "abort"
+            if out.output_ids:
+                self.stopped = f"the call was aborted after {len(out.output_ids)} tokens ({why})"
+                raise EndpointError(503, self.stopped, type="server_error", code="aborted")
+            self.stopped = f"the trajectory was stopped ({why})"
+            raise EndpointError(503, f"refused, nothing generated: {self.stopped}", type="server_error",
+                                code="trajectory_stopped")
         return self._answer(seg, req, out, prompt_tokens)
 
     def _budget_error(self, reason: str) -> EndpointError:
