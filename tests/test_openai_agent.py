@@ -10,6 +10,7 @@ dispatch against the lifecycle state it happened in.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,22 +32,18 @@ pytestmark = pytest.mark.slow
 STATE: dict[str, Any] = {}
 
 
-async def calculator_agent(client: openai.AsyncOpenAI, sample: Sample) -> str | None:
-    """The doc's agent: OpenAI tool calls to the calculator until the model answers."""
-    messages = list(sample.messages)
-    for _ in range(4):
-        r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], max_tokens=64)
-        msg = r.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            return msg.content
-        for call in msg.tool_calls:
-            try:
-                result = str(evaluate_expression(json.loads(call.function.arguments)["expression"]))
-            except Exception as e:  # the model's mistake is the tool's answer
-                result = f"Error: {e}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return None
+def _example() -> Any:
+    """examples/openai_calculator.py, the docs' agent, loaded from the checkout."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "openai_calculator.py"
+    spec = importlib.util.spec_from_file_location("openai_calculator_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The docs' agent: OpenAI tool calls to the calculator until the model answers (named by CONFIG below).
+calculator_agent = _example().calculator_agent
 
 
 async def summarizing_agent(client: openai.AsyncOpenAI, sample: Sample) -> float:
@@ -226,6 +223,37 @@ def test_sleep_aborts_in_flight_calls_and_refuses_later_ones(rt: Runtime) -> Non
         assert_exact(t)
         assert len(t.turns) == 1
     assert rt.lifecycle.state is EngineState.SLEEPING
+
+
+async def agents_sdk_agent(client: openai.AsyncOpenAI, sample: Sample) -> Any:
+    """The same task written with the OpenAI Agents SDK (`openai-agents`): its Runner drives the loop."""
+    from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
+
+    async def run_calculator(ctx: Any, arguments: str) -> str:
+        return str(evaluate_expression(json.loads(arguments)["expression"]))
+
+    fn = CALCULATOR_TOOL["function"]
+    calculator = FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                              on_invoke_tool=run_calculator, strict_json_schema=False)
+    agent = Agent(name="calculator", model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+                  tools=[calculator])
+    result = await Runner.run(agent, sample.messages[-1]["content"], max_turns=4)
+    return result.final_output
+
+
+def test_openai_agents_sdk_runner(rt: Runtime) -> None:
+    pytest.importorskip("agents", reason="openai-agents is not installed")
+    samples = [Sample(uid=s.uid, messages=s.messages, ground_truth=s.ground_truth, extra={"function": agents_sdk_agent})
+               for s in questions(3, 31)]
+    res = rt.step_sync(samples, n=1)
+    assert len(res.trajectories) == 3, [t.uid for t in res.trajectories]
+    for t in res.trajectories:
+        assert t.status in ("completed", "truncated") and t.error is None, t.error
+        assert_exact(t)
+        assert not t.segments  # the SDK sends the history back as it was returned: one sequence
+    assert any(t.tool_calls and t.num_turns >= 2 for t in res.trajectories)
 
 
 def test_yaml_config_names_the_agent_function(tmp_path: Path) -> None:
