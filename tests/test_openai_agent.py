@@ -261,4 +261,4 @@ def test_yaml_config_names_the_agent_function(tmp_path: Path) -> None:
     path.write_text("runtime:\n  agent:\n    agent: openai\n    function: test_openai_agent:calculator_agent\n")
     cfg = load_config(path).runtime
     assert cfg.agent.agent == "openai"
-    assert cfg.agent.to_agent_config().function == "test_openai_agent:calculator_agent"
+    assert cfg.agent.function == "test_openai_agent:calculator_agent"
