@@ -62,6 +62,7 @@ async def summarizing_agent(client: openai.AsyncOpenAI, sample: Sample) -> float
     r2 = await client.chat.completions.create(model="policy", messages=summary, tools=[CALCULATOR_TOOL], max_tokens=64)
     STATE.setdefault("segments_seen", []).append((r.agentloop["segment"], r2.agentloop["segment"]))  # type: ignore[attr-defined]
     text = r2.choices[0].message.content or ""
+    await client.close()  # harmless: trajectories' clients share one pool that the loop owns
     return 1.0 if notes and notes[0].split(" = ")[-1] in text else 0.0
 
 
