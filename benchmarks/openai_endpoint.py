@@ -120,7 +120,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["overhead_wall_ms_per_call"] = r4(row["openai_wall_ms_per_call"] - row["tool_wall_ms_per_call"])
         row["identical_trajectories"] = identical[c]
         summary.append(row)
-    return {"model": str(model), "summary": summary, "runs": runs}
+    return {"engine": {"kind": args.engine, "url": args.engine_url, "model": str(model)}, "summary": summary,
+            "runs": runs}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

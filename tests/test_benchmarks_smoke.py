@@ -113,3 +113,12 @@ def test_client_cpu_profile_smoke(tmp_path: Path) -> None:
         assert prof["tokens"] > 0 and prof["top_own"] and prof["top_cumulative"]
     # the profile sees agentloop's own modules, not only the event loop
     assert any("agentloop" in f["path"] for f in r["profiles"]["agentloop"]["top_cumulative"])
+
+
+@pytest.mark.slow
+def test_openai_endpoint_smoke(tmp_path: Path) -> None:
+    r = run_smoke("openai_endpoint", tmp_path)
+    (row,) = r["summary"]
+    assert row["tool_calls_per_step"] > 0 and row["openai_calls_per_step"] > 0
+    assert {x["agent"] for x in r["runs"]} == {"tool", "openai"}
+    assert all(x["statuses"]["failed"] == 0 for x in r["runs"])

@@ -237,5 +237,6 @@ class RolloutWorker:
         return out
 
     async def shutdown(self) -> None:
+        await self.scheduler.aclose()  # agent loops' own resources (the openai loop's endpoint server)
         for c in self.clients:
             await c.close()
