@@ -1,32 +1,36 @@
 """Bootstrap of the `python` tool's child interpreter (run as `python -I -S -B -u _sandbox_boot.py CONFIG`).
 
-It is the first code in the child and uses only the standard library. In order, it:
+It is the first code in the child, uses only the standard library (plus seccompy, mounted read-only by
+the kernel sandbox) and runs before any model code. In order, it:
 1. reads the model's code from stdin (then stdin is /dev/null),
 2. sets resource limits with hard == soft (CPU seconds, address space, processes, file size, open
-   files, no core dumps) so the code cannot raise them (raising is also refused by the hook below),
-3. drops to an unprivileged uid/gid when the parent asked for it (parent runs as root),
-4. enters the scratch directory,
-5. installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
+   files, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code raise a hard limit,
+3. loads the seccomp filter the parent sent (`agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
+   namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...) — irreversible, and
+   inherited by every thread,
+4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
+   seccomp in filter mode, a user namespace whose uids are not host root — and exits with status 111
+   and a "sandbox-boot:" message instead of running the code when any of it does not hold,
+5. enters the scratch directory,
+6. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
+   hold on their own), installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
    - opening a file for writing, or any path-changing os call (mkdir, remove, rename, link, chmod, ...),
      outside the scratch directory (paths are resolved with realpath; paths with ".." and creating
      symlinks are refused, so no check-then-use race with another thread can escape),
    - reading or listing anything but the scratch directory, the interpreter's import path and a few
-     harmless files (unless the parent turned `restrict_reads` off): no secrets from /proc/*/environ,
-     home directories or configs reach the model,
+     harmless files (unless the parent turned `restrict_reads` off),
    - opening directories (a directory fd would let `os.*(dir_fd=...)` resolve paths the hook never sees),
    - chdir out of the scratch directory,
    - creating processes (fork, exec, spawn, system, subprocess), signalling processes, changing limits,
-   - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/... (ctypes
-     could patch the interpreter's memory and gc could find the hook function; sqlite3/dbm write files
-     from C without an "open" event),
+   - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/...,
    and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot`/`setpriority`/`sched_set*`
-   from os/posix/signal (they act on other processes or create files without an audit event),
-6. runs the code as `__main__` in a fresh module namespace.
+   from os/posix/signal,
+7. runs the code as `__main__` in a fresh module namespace.
 
-The hook is written to survive code that tries to fool it (monkeypatched os.path/builtins, str
-subclasses, flipping __fspath__, closure cells reached through traceback frames): see `_make_hook`.
-Audit hooks are not a sandbox against native code, which is why ctypes is refused and why the parent
-adds OS-level layers (rlimits, network and mount namespaces when `unshare` works, a process-group kill).
+The audit hook is defence in depth only: code in the same interpreter can switch it off (e.g. with
+hand-made code objects that write the interpreter's memory). The guarantees come from the kernel:
+namespaces and the minimal root (set up by the parent, see `agentloop/tools/sandbox/namespaces.py`),
+rlimits and seccomp (set here, before the code exists as code).
 """
 
 import json
@@ -248,28 +252,87 @@ def _strip_unaudited():
             mod.__dict__.pop(n, None)
 
 
+ISOLATION_FAILED = 111  # the parent reads this status + a "sandbox-boot:" line as "sandbox unavailable"
+
+
+def _refuse(what):
+    sys.stderr.write("sandbox-boot: %s\n" % what)
+    sys.stderr.flush()
+    os._exit(ISOLATION_FAILED)
+
+
+def _load_seccomp(spec):
+    """Compile and load the parent's rules with seccompy, then forget seccompy and ctypes (the hook, when
+    installed, refuses importing them again; the filter itself can only ever be tightened)."""
+    before = set(sys.modules)
+    sys.path.insert(0, spec["path"])
+    try:
+        import ctypes.util
+
+        # seccompy asks find_library("c"), which spawns ldconfig; libc is already loaded in this process.
+        ctypes.util.find_library = lambda name: None
+        import seccompy
+
+        filt = seccompy.Filter(default=seccompy.Action.ALLOW)
+        for nr, err, conds in spec["rules"]:
+            filt.errno(nr, err, args=[seccompy.ArgCmp(*c) for c in conds] or None)
+        filt.load()
+    except Exception as e:
+        _refuse("could not load the seccomp filter: %s: %s" % (type(e).__name__, e))
+    finally:
+        sys.path.remove(spec["path"])
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def _check_isolation(seccomp):
+    """What the kernel reports about this process; refuse to run the code unless it is isolated."""
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    problems = []
+    for cap in ("CapEff", "CapPrm", "CapAmb"):
+        if int(status.get(cap, "1"), 16) != 0:
+            problems.append("%s=%s (capabilities left)" % (cap, status.get(cap)))
+    if status.get("NoNewPrivs") != "1":
+        problems.append("no_new_privs not set")
+    if seccomp and status.get("Seccomp") != "2":
+        problems.append("seccomp filter not active (Seccomp=%s)" % status.get("Seccomp"))
+    with open("/proc/self/uid_map") as f:
+        maps = [line.split() for line in f if line.strip()]
+    if any(int(outside) == 0 for _, outside, _ in maps):
+        problems.append("uid 0 of the host is mapped into the sandbox (%s)" % maps)
+    if os.getuid() == 0:
+        problems.append("running as uid 0")
+    if problems:
+        _refuse("isolation check failed: " + "; ".join(problems))
+
+
 def _main():
     cfg = json.loads(sys.argv[1])
     code = sys.stdin.read()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    uid = cfg.get("uid")
-    _set_limits(cfg, uid if uid is not None else os.getuid())
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(cfg["gid"])
-        os.setuid(uid)
+    _set_limits(cfg, os.getuid())
+    if cfg.get("seccomp"):
+        _load_seccomp(cfg["seccomp"])
+    if cfg.get("require_isolation"):
+        _check_isolation(cfg.get("seccomp"))
     scratch = os.path.realpath(cfg["scratch"])
     os.chdir(scratch)
+    sys.path.extend(cfg.get("extra_paths", ()))
     sys.argv = ["<tool code>"]
-    import shutil
+    if cfg.get("audit_hook", True):
+        import shutil
 
-    # Directory fds are refused (see the hook), so rmtree must walk by path (still audited per path).
-    shutil._use_fd_functions = False
-    readable = _readable_roots(cfg)
-    _strip_unaudited()
-    sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"]), readable))
+        # Directory fds are refused (see the hook), so rmtree must walk by path (still audited per path).
+        shutil._use_fd_functions = False
+        readable = _readable_roots(cfg)
+        _strip_unaudited()
+        sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"]), readable))
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main  # the code must not reach this bootstrap module's namespace

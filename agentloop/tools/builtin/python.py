@@ -1,47 +1,56 @@
-"""The `python` tool: runs model-written code in a separate, limited interpreter and returns its output.
+"""The `python` tool: runs model-written code in an isolated interpreter and returns its output.
 
-Each call gets a fresh scratch directory (cwd, HOME and TMPDIR of the child; deleted afterwards) and a
-child `python -I -S -B` started without blocking the event loop (anyio subprocess). What is enforced:
-- CPU time (RLIMIT_CPU: SIGXCPU, then SIGKILL one second later), memory (RLIMIT_AS), file size
-  (RLIMIT_FSIZE), open files, no core dumps; processes (RLIMIT_NPROC) where the kernel applies it
-  (not to root, which has CAP_SYS_RESOURCE) — fork/exec/spawn are refused by the audit hook regardless;
-- no network: a new network namespace (`unshare -n`, with a user namespace `-r` when not root) when
-  `unshare` works on this host, and in every case an audit hook that refuses every socket operation
-  and the import of socket/ssl;
-- no writes outside the scratch directory: the audit hook refuses opening for writing and path-changing
-  os calls outside it (see `_sandbox_boot.py` for the full list); when the worker runs as root and an
-  unprivileged uid can run the interpreter, the child also drops to that uid (`nobody`);
-- no reads outside the scratch directory and the interpreter's import path (`restrict_reads`), so
-  secrets of the worker (environment, /proc, home directory) never reach the model;
-- a wall-clock timeout after which the child's whole process group is killed (also on cancellation);
-- the scratch directory is a tmpfs of `max_scratch_mb` in a private mount namespace where the host allows
-  it (`unshare -m`), so many files cannot fill the disk; otherwise only RLIMIT_FSIZE bounds each file;
-- at most `max_concurrent` interpreters of one tool run at once in a worker (further calls queue, and the
-  queueing counts against the registry's per-call timeout);
-- stdout and stderr are captured up to a byte cap each (the rest is drained and counted, so a chatty
-  child cannot block on a full pipe), decoded leniently, and returned with the exit status.
+Model-written code is hostile. Where it runs is chosen with `sandbox` (the tools YAML's `config`):
+- `kernel` (default): a fresh child per call isolated by the kernel — new user, mount, PID, network, IPC
+  and UTS namespaces; an unprivileged uid that is never host root and has no capabilities; no_new_privs;
+  a root that holds only the interpreter, its standard library and their shared objects (read-only) and a
+  fresh size-limited tmpfs at /tmp (cwd, HOME, TMPDIR); a seccomp filter (no fork/exec, ptrace, mounts,
+  namespaces, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...); rlimits on CPU time, address
+  space, processes/threads, file size and open files; an empty environment (HOME/TMPDIR only). The
+  whole process tree dies when the call ends, times out or is cancelled. See
+  `agentloop/tools/sandbox/namespaces.py` for the chain and docs/sandbox.md for the threat model.
+  If the host cannot provide this, every call is refused with `SandboxUnavailable` saying what is missing
+  and how to enable it — never a silent fallback.
+- `sandbox_fusion`: POST the code to a SandboxFusion-compatible service (`sandbox_fusion_url`, the
+  `/run_code` endpoint verl's SandboxFusionTool uses); its isolation is the service's.
+- `unsafe_subprocess`: a plain child process with rlimits and the in-process audit hook only. The audit
+  hook can be switched off by the code itself, so this is NOT a sandbox; it exists for hosts without
+  namespaces and trusted code, and is logged as a warning when the tool is built.
+
+In every local mode the child first runs `_sandbox_boot.py` (rlimits, seccomp, the isolation self-check,
+then — unless `audit_hook: false`, a switch for tests that prove the kernel layers hold alone — an audit
+hook as defence in depth). At most `max_concurrent` interpreters of one tool run at once in a worker.
+stdout and stderr come back capped at `max_output_bytes` each, with the exit status.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
-import anyio.abc
 from anyio.lowlevel import RunVar
 
 from ..base import Tool, ToolContext, ToolError
+from ..sandbox.fusion import run_fusion
+from ..sandbox.interpreter import interpreter_files
+from ..sandbox.namespaces import (
+    BOOT_DIR, SCRATCH, SandboxUnavailable, explain_failure, find_host_tools, sandbox_command,
+)
+from ..sandbox.policy import seccomp_rules
+from ..sandbox.process import SandboxOutput, run_sandboxed
 
-__all__ = ["PythonTool", "SandboxOutput", "sandbox_capabilities"]
+__all__ = ["BLOCKED_IMPORTS", "PythonTool", "SandboxOutput", "SandboxUnavailable"]
+
+logger = logging.getLogger(__name__)
 
 _BOOT = Path(__file__).with_name("_sandbox_boot.py")
 # Modules that reach the network, create processes, write files from C (bypassing the "open" audit
@@ -50,100 +59,38 @@ _BOOT = Path(__file__).with_name("_sandbox_boot.py")
 BLOCKED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "_posixsubprocess", "gc",
                    "_xxsubinterpreters", "_testcapi", "_testinternalcapi", "faulthandler", "_sqlite3", "sqlite3",
                    "_dbm", "_gdbm", "dbm", "_multiprocessing", "_posixshmem", "posix", "_signal", "readline",
-                   "_tkinter", "_curses", "_ctypes_test", "_testbuffer", "_testmultiphase", "_testimportmultiple")
-NOBODY = 65534
+                   "_tkinter", "_curses", "_ctypes_test", "_testbuffer", "_testmultiphase", "_testimportmultiple",
+                   "seccompy")
+SandboxKind = Literal["kernel", "sandbox_fusion", "unsafe_subprocess"]
+SANDBOXES = ("kernel", "sandbox_fusion", "unsafe_subprocess")
+ISOLATION_FAILED = 111  # _sandbox_boot.ISOLATION_FAILED
+_STAGES = ("bwrap:", "setpriv:", "unshare:", "sandbox-boot:")  # what a failing sandbox stage prints first
 
 
-@dataclass
-class SandboxOutput:
-    stdout: str
-    stderr: str
-    returncode: int | None
-    seconds: float
-    timed_out: bool
-    stdout_dropped: int = 0
-    stderr_dropped: int = 0
+@functools.lru_cache(maxsize=1)
+def _seccomp_spec() -> dict[str, Any]:
+    import seccompy
+
+    return {"path": BOOT_DIR, "rules": seccomp_rules(), "host_dir": os.path.dirname(seccompy.__file__)}
 
 
-@dataclass(frozen=True)
-class _Caps:
-    unshare_prefix: tuple[str, ...]  # command prefix for a new network namespace, () if unavailable
-    drop_uid: int | None  # uid to drop to (root only), None to stay
-    tmpfs: bool = False  # the prefix can also take "-m" and mount a size-limited tmpfs on the scratch dir
-
-
-# Run inside the new mount namespace: a tmpfs of $2 bytes over the scratch dir $1 (owned by uid $3 if
-# given), then exec the interpreter. The mount dies with the namespace, so nothing outlives the call.
-_MOUNT_SCRIPT = 'mount -t tmpfs -o "size=$2,mode=0700${3:+,uid=$3,gid=$3}" tmpfs "$1" && shift 3 && exec "$@"'
-
-
-# Probed once per process. No lock: concurrent first probes are idempotent, and an anyio lock kept in
-# a module global would outlive the event loop it was first used on.
-_caps_cache: dict[tuple[str, bool], _Caps] = {}
-
-
-async def _works(cmd: list[str], **kw: Any) -> bool:
+def _kernel_command(python: str, *, readable: list[str], site_packages: bool, scratch_bytes: int,
+                    boot_args: list[str]) -> list[str]:
+    """Blocking (first call probes the interpreter and the host tools; cached afterwards)."""
+    root = os.geteuid() == 0
+    tools = find_host_tools(root)
     try:
-        with anyio.fail_after(10):
-            r = await anyio.run_process(cmd, check=False, stdin=None, **kw)
-        return r.returncode == 0
-    except (OSError, TimeoutError):
-        return False
-
-
-async def sandbox_capabilities(python: str = sys.executable, use_namespaces: bool = True) -> _Caps:
-    """Probe once per process what this host allows: `unshare` for a network namespace, and (as root)
-    whether `nobody` can run the interpreter."""
-    key = (python, use_namespaces)
-    if key in _caps_cache:
-        return _caps_cache[key]
-    root = hasattr(os, "geteuid") and os.geteuid() == 0
-    drop = None
-    if root and await _works([python, "-I", "-S", "-B", "-c", "import json, resource, os"], user=NOBODY, group=NOBODY,
-                             extra_groups=[], cwd="/"):
-        drop = NOBODY
-    prefix: tuple[str, ...] = ()
-    unshare = shutil.which("unshare")
-    if use_namespaces and unshare:
-        # As root and dropping privileges: a plain net namespace (the uid drop happens inside).
-        # Otherwise a user namespace lets an unprivileged user create one (and sheds root's capabilities).
-        candidates = [(unshare, "-n")] if drop is not None else [(unshare, "-r", "-n"), (unshare, "-n")]
-        for c in candidates:
-            if await _works([*c, python, "-I", "-S", "-c", "pass"]):
-                prefix = c
-                break
-    tmpfs = False
-    if prefix:
-        probe_dir = await anyio.to_thread.run_sync(tempfile.mkdtemp)
-        try:
-            tmpfs = await _works([*prefix, "-m", "/bin/sh", "-c", _MOUNT_SCRIPT, "sh", probe_dir, "1m",
-                                  str(drop) if drop is not None else "", "true"])
-        finally:
-            await anyio.to_thread.run_sync(lambda: shutil.rmtree(probe_dir, ignore_errors=True))
-    caps = _Caps(prefix, drop, tmpfs)
-    _caps_cache[key] = caps
-    return caps
-
-
-async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes]) -> int:
-    """Read all of `stream`, keep the first `cap` bytes in `sink`, return how many bytes were dropped."""
-    if stream is None:
-        return 0
-    kept = dropped = 0
-    async for chunk in stream:
-        room = cap - kept
-        if room > 0:
-            sink.append(chunk[:room])
-            kept += min(room, len(chunk))
-        dropped += max(0, len(chunk) - max(room, 0))
-    return dropped
-
-
-def _kill_group(pid: int) -> None:
+        interp = interpreter_files(python)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise SandboxUnavailable(f"python tool sandbox: cannot inspect the interpreter {python!r}: {e}") from e
     try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        seccompy_dir = _seccomp_spec()["host_dir"]
+    except Exception as e:  # seccompy missing or no syscall table for this architecture
+        raise SandboxUnavailable(f"python tool sandbox: no seccomp filter available ({type(e).__name__}: {e}); "
+                                 "`pip install seccompy` (a dependency of agentloop) on x86_64 or aarch64 Linux") from e
+    return sandbox_command(tools, interp, root=root, boot=str(_BOOT), seccompy_dir=seccompy_dir,
+                           scratch_bytes=scratch_bytes, readable=readable, site_packages=site_packages,
+                           python_args=["-I", "-S", "-B", "-u", f"{BOOT_DIR}/_sandbox_boot.py", *boot_args])
 
 
 class PythonTool(Tool):
@@ -175,17 +122,25 @@ class PythonTool(Tool):
         open_files: int = 64,
         max_output_bytes: int = 64 * 1024,
         scratch_root: str | None = None,
-        use_namespaces: bool = True,
         python: str | None = None,
         allow_site_packages: bool = False,
         extra_blocked_imports: list[str] | None = None,
         restrict_reads: bool = True,
         readable_paths: list[str] | None = None,
         max_concurrent: int | None = None,
-        max_scratch_mb: int | None = 64,
+        max_scratch_mb: int = 64,
+        sandbox: SandboxKind = "kernel",
+        sandbox_fusion_url: str | None = None,
+        audit_hook: bool = True,
     ) -> None:
-        if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0:
-            raise ValueError("timeout, cpu_seconds and memory_mb must be positive")
+        if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0 or max_scratch_mb <= 0:
+            raise ValueError("timeout, cpu_seconds, memory_mb and max_scratch_mb must be positive")
+        if sandbox not in SANDBOXES:
+            raise ValueError(f"sandbox must be one of {SANDBOXES}, got {sandbox!r}")
+        if sandbox == "sandbox_fusion" and not sandbox_fusion_url:
+            raise ValueError("sandbox: sandbox_fusion needs sandbox_fusion_url (e.g. http://127.0.0.1:8080/run_code)")
+        self.sandbox = sandbox
+        self.sandbox_fusion_url = sandbox_fusion_url
         self.timeout = float(timeout)
         self.cpu_seconds = int(cpu_seconds)
         self.memory_mb = int(memory_mb)
@@ -194,11 +149,11 @@ class PythonTool(Tool):
         self.open_files = int(open_files)
         self.max_output_bytes = int(max_output_bytes)
         self.scratch_root = scratch_root
-        self.use_namespaces = use_namespaces
         self.python = python or sys.executable
         self.allow_site_packages = allow_site_packages
         self.blocked_imports = sorted(set(BLOCKED_IMPORTS) | set(extra_blocked_imports or ()))
         self.restrict_reads = restrict_reads
+        self.audit_hook = bool(audit_hook)
         # One worker runs thousands of trajectories: cap the interpreters alive at once (per tool, across
         # trajectories). A RunVar holds the limiter so each event loop gets its own.
         self.max_concurrent = int(max_concurrent or max(2, os.cpu_count() or 2))
@@ -206,7 +161,16 @@ class PythonTool(Tool):
             raise ValueError("max_concurrent must be >= 1")
         self._limiter: RunVar[anyio.CapacityLimiter] = RunVar(f"python_tool_limiter_{id(self)}")
         self.readable_paths = [str(p) for p in (readable_paths or ())]
-        self.max_scratch_mb = max_scratch_mb
+        missing = [p for p in self.readable_paths if not os.path.exists(p)]
+        if missing:
+            raise ValueError(f"readable_paths do not exist: {missing}")
+        self.max_scratch_mb = int(max_scratch_mb)
+        if sandbox == "unsafe_subprocess":
+            logger.warning(
+                "python tool: sandbox=unsafe_subprocess — model-written code runs in a plain subprocess WITHOUT "
+                "kernel isolation (no namespaces, no seccomp; only rlimits and an in-process audit hook that the "
+                "code can switch off). Use it only for trusted code."
+            )
 
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
         code = arguments.get("code")
@@ -240,9 +204,6 @@ class PythonTool(Tool):
                 problem = f"killed by SIGKILL (CPU time limit of {self.cpu_seconds} seconds or memory exhausted)"
             else:
                 problem = f"killed by signal {name}"
-        elif rc and not out.stdout and out.stderr.startswith(("unshare:", "mount:", "sh:")):
-            # The wrapper failed before Python ran (e.g. the host ran out of namespaces): not the code's fault.
-            raise ToolError(f"the sandbox could not start: {out.stderr.strip().splitlines()[0]}")
         elif rc:
             if "MemoryError" in out.stderr:
                 text += f"\n(memory limit of {self.memory_mb} MiB exceeded)"
@@ -252,99 +213,74 @@ class PythonTool(Tool):
         return text if text.strip() else "(no output)"
 
     async def run_code(self, code: str, *, scratch_parent: Path | str | None = None) -> SandboxOutput:
-        """Run `code` in a fresh scratch directory and return what happened (never raises for the code's
-        own failures; raises OSError if the interpreter cannot be started)."""
+        """Run `code` and return what happened. Never raises for the code's own failures; raises
+        SandboxUnavailable when the sandbox cannot be set up, ToolError when the remote sandbox fails,
+        OSError when the interpreter cannot be started at all (unsafe_subprocess)."""
         try:
             limiter = self._limiter.get()
         except LookupError:
             limiter = anyio.CapacityLimiter(self.max_concurrent)
             self._limiter.set(limiter)
         async with limiter:
-            return await self._run_code(code, scratch_parent)
+            if self.sandbox == "kernel":
+                return await self._run_kernel(code)
+            if self.sandbox == "sandbox_fusion":
+                assert self.sandbox_fusion_url is not None
+                return await run_fusion(self.sandbox_fusion_url, code, timeout=self.timeout, memory_mb=self.memory_mb,
+                                        max_output_bytes=self.max_output_bytes)
+            return await self._run_unsafe(code, scratch_parent)
 
-    async def _run_code(self, code: str, scratch_parent: Path | str | None) -> SandboxOutput:
-        caps = await sandbox_capabilities(self.python, self.use_namespaces)
-        parent = str(scratch_parent) if scratch_parent is not None else self.scratch_root
-        scratch = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="agentloop-py-", dir=parent))
-        try:
-            if caps.drop_uid is not None:
-                os.chown(scratch, caps.drop_uid, caps.drop_uid)
-            return await self._run_in(code, scratch, caps)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
-
-    async def _run_in(self, code: str, scratch: str, caps: _Caps) -> SandboxOutput:
-        cfg = {
+    def _boot_config(self, scratch: str, *, kernel: bool) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
             "scratch": scratch,
             "cpu_seconds": self.cpu_seconds,
             "memory_bytes": self.memory_mb * 1024 * 1024,
             "file_bytes": self.max_file_mb * 1024 * 1024,
             "open_files": self.open_files,
             "max_processes": self.max_processes,
-            "uid": caps.drop_uid,
-            "gid": caps.drop_uid,
+            "audit_hook": self.audit_hook,
             "blocked_imports": self.blocked_imports,
             "restrict_reads": self.restrict_reads,
             "readable_paths": self.readable_paths,
+            "extra_paths": list(interpreter_files(self.python).site_packages) if self.allow_site_packages else [],
         }
-        # -u: unbuffered, so what was printed before a kill (timeout, CPU limit) still comes back.
-        flags = ["-I", "-B", "-u"] + ([] if self.allow_site_packages else ["-S"])
-        cmd = [self.python, *flags, str(_BOOT), json.dumps(cfg)]
-        if caps.tmpfs and self.max_scratch_mb:
-            uid = str(caps.drop_uid) if caps.drop_uid is not None else ""
-            cmd = [*caps.unshare_prefix, "-m", "/bin/sh", "-c", _MOUNT_SCRIPT, "sh", scratch, f"{self.max_scratch_mb}m", uid, *cmd]
-        else:
-            cmd = [*caps.unshare_prefix, *cmd]
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": scratch,
-            "TMPDIR": scratch,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        out_chunks: list[bytes] = []
-        err_chunks: list[bytes] = []
-        dropped = [0, 0]
-        t0 = time.monotonic()
-        timed_out = False
-        proc = await anyio.open_process(cmd, cwd=scratch, env=env, start_new_session=True)
+        if kernel:
+            spec = _seccomp_spec()
+            cfg["seccomp"] = {"path": spec["path"], "rules": spec["rules"]}
+            cfg["require_isolation"] = True
+        return cfg
+
+    async def _run_kernel(self, code: str) -> SandboxOutput:
+        def command() -> list[str]:
+            cfg = self._boot_config(SCRATCH, kernel=True)
+            return _kernel_command(self.python, readable=self.readable_paths, site_packages=self.allow_site_packages,
+                                   scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[json.dumps(cfg)])
+
         try:
-            with anyio.move_on_after(self.timeout) as scope:
-                async with anyio.create_task_group() as tg:
+            cmd = await anyio.to_thread.run_sync(command)
+        except SandboxUnavailable as e:
+            logger.error("%s", e)
+            raise
+        out = await run_sandboxed(cmd, stdin=code.encode("utf-8", "replace"), env={}, cwd="/", timeout=self.timeout,
+                                  max_output_bytes=self.max_output_bytes)
+        rc = out.returncode
+        if rc is not None and 128 < rc <= 128 + 64:  # bubblewrap reports a child killed by signal N as 128 + N
+            out.returncode = -(rc - 128)
+        if rc and not out.stdout and not out.timed_out and out.stderr.lstrip().startswith(_STAGES):
+            message = explain_failure(out.stderr)
+            logger.error("%s", message)
+            raise SandboxUnavailable(message)
+        return out
 
-                    async def feed() -> None:
-                        assert proc.stdin is not None
-                        try:
-                            await proc.stdin.send(code.encode("utf-8", "replace"))  # lone surrogates (valid JSON) become "?"
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                            pass  # the child died before reading its code; its stderr says why
-                        finally:
-                            await proc.stdin.aclose()
-
-                    async def drain(i: int, stream: Any, sink: list[bytes]) -> None:
-                        dropped[i] = await _read_capped(stream, self.max_output_bytes, sink)
-
-                    tg.start_soon(feed)
-                    tg.start_soon(drain, 0, proc.stdout, out_chunks)
-                    tg.start_soon(drain, 1, proc.stderr, err_chunks)
-                    await proc.wait()
-            timed_out = scope.cancelled_caught
+    async def _run_unsafe(self, code: str, scratch_parent: Path | str | None) -> SandboxOutput:
+        parent = str(scratch_parent) if scratch_parent is not None else self.scratch_root
+        scratch = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="agentloop-py-", dir=parent))
+        try:
+            cfg = await anyio.to_thread.run_sync(lambda: self._boot_config(scratch, kernel=False))
+            # -u: unbuffered, so what was printed before a kill (timeout, CPU limit) still comes back.
+            cmd = [self.python, "-I", "-S", "-B", "-u", str(_BOOT), json.dumps(cfg)]
+            return await run_sandboxed(cmd, stdin=code.encode("utf-8", "replace"), env={"HOME": scratch, "TMPDIR": scratch},
+                                       cwd=scratch, timeout=self.timeout, max_output_bytes=self.max_output_bytes)
         finally:
-            # Whatever happened (done, timed out, cancelled by the caller), nothing of the child survives.
             with anyio.CancelScope(shield=True):
-                _kill_group(proc.pid)
-                await proc.wait()
-                await proc.aclose()
-        return SandboxOutput(
-            stdout=b"".join(out_chunks).decode("utf-8", "replace"),
-            stderr=b"".join(err_chunks).decode("utf-8", "replace"),
-            returncode=proc.returncode,
-            seconds=time.monotonic() - t0,
-            timed_out=timed_out,
-            stdout_dropped=dropped[0],
-            stderr_dropped=dropped[1],
-        )
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
