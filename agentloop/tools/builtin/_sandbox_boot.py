@@ -33,9 +33,10 @@ namespaces and the minimal root (set up by the parent, see `agentloop/tools/sand
 rlimits and seccomp (set here, before the code exists as code).
 """
 
-import json
+import marshal
 import os
 import resource
+import signal
 import sys
 import types
 
@@ -261,26 +262,26 @@ def _refuse(what):
     os._exit(ISOLATION_FAILED)
 
 
-def _load_seccomp(spec):
-    """Compile and load the parent's rules with seccompy, then forget seccompy and ctypes (the hook, when
-    installed, refuses importing them again; the filter itself can only ever be tightened)."""
+def _load_seccomp(program):
+    """Load the parent's compiled filter (seccompy built it from agentloop/tools/sandbox/policy.py) with the
+    two calls seccomp(2) documents: no_new_privs, then prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER). Loading
+    seccompy itself here would cost more than the rest of the start-up; ctypes is forgotten afterwards."""
     before = set(sys.modules)
-    sys.path.insert(0, spec["path"])
     try:
-        import ctypes.util
+        import ctypes
 
-        # seccompy asks find_library("c"), which spawns ldconfig; libc is already loaded in this process.
-        ctypes.util.find_library = lambda name: None
-        import seccompy
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-        filt = seccompy.Filter(default=seccompy.Action.ALLOW)
-        for nr, err, conds in spec["rules"]:
-            filt.errno(nr, err, args=[seccompy.ArgCmp(*c) for c in conds] or None)
-        filt.load()
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(program, len(program))
+        prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
     except Exception as e:
         _refuse("could not load the seccomp filter: %s: %s" % (type(e).__name__, e))
-    finally:
-        sys.path.remove(spec["path"])
     for name in set(sys.modules) - before:
         del sys.modules[name]
 
@@ -311,11 +312,8 @@ def _check_isolation(seccomp):
 
 
 def _main():
-    cfg = json.loads(sys.argv[1])
-    code = sys.stdin.read()
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
     _set_limits(cfg, os.getuid())
     if cfg.get("seccomp"):
         _load_seccomp(cfg["seccomp"])
@@ -333,6 +331,12 @@ def _main():
         readable = _readable_roots(cfg)
         _strip_unaudited()
         sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"]), readable))
+    # Ready. A pre-started sandbox waits here for its one call; unused, it ends itself after idle_seconds.
+    signal.alarm(cfg.get("idle_seconds") or 0)
+    code = sys.stdin.read()
+    signal.alarm(0)
+    os.dup2(null, 0)
+    os.close(null)
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main  # the code must not reach this bootstrap module's namespace

@@ -25,8 +25,7 @@ stdout and stderr come back capped at `max_output_bytes` each, with the exit sta
 
 from __future__ import annotations
 
-import functools
-import json
+import marshal
 import logging
 import os
 import shutil
@@ -45,8 +44,8 @@ from ..sandbox.interpreter import interpreter_files
 from ..sandbox.namespaces import (
     BOOT_DIR, SCRATCH, SandboxUnavailable, explain_failure, find_host_tools, sandbox_command,
 )
-from ..sandbox.policy import seccomp_rules
-from ..sandbox.process import SandboxOutput, run_sandboxed
+from ..sandbox.policy import compiled_filter
+from ..sandbox.process import SandboxOutput, WarmPool, communicate, kill_process, run_sandboxed, start_sandboxed
 
 __all__ = ["BLOCKED_IMPORTS", "PythonTool", "SandboxOutput", "SandboxUnavailable"]
 
@@ -67,13 +66,6 @@ ISOLATION_FAILED = 111  # _sandbox_boot.ISOLATION_FAILED
 _STAGES = ("bwrap:", "setpriv:", "unshare:", "sandbox-boot:")  # what a failing sandbox stage prints first
 
 
-@functools.lru_cache(maxsize=1)
-def _seccomp_spec() -> dict[str, Any]:
-    import seccompy
-
-    return {"path": BOOT_DIR, "rules": seccomp_rules(), "host_dir": os.path.dirname(seccompy.__file__)}
-
-
 def _kernel_command(python: str, *, readable: list[str], site_packages: bool, scratch_bytes: int,
                     boot_args: list[str]) -> list[str]:
     """Blocking (first call probes the interpreter and the host tools; cached afterwards)."""
@@ -83,12 +75,7 @@ def _kernel_command(python: str, *, readable: list[str], site_packages: bool, sc
         interp = interpreter_files(python)
     except (OSError, RuntimeError, ValueError) as e:
         raise SandboxUnavailable(f"python tool sandbox: cannot inspect the interpreter {python!r}: {e}") from e
-    try:
-        seccompy_dir = _seccomp_spec()["host_dir"]
-    except Exception as e:  # seccompy missing or no syscall table for this architecture
-        raise SandboxUnavailable(f"python tool sandbox: no seccomp filter available ({type(e).__name__}: {e}); "
-                                 "`pip install seccompy` (a dependency of agentloop) on x86_64 or aarch64 Linux") from e
-    return sandbox_command(tools, interp, root=root, boot=str(_BOOT), seccompy_dir=seccompy_dir,
+    return sandbox_command(tools, interp, root=root, boot=str(_BOOT),
                            scratch_bytes=scratch_bytes, readable=readable, site_packages=site_packages,
                            python_args=["-I", "-S", "-B", "-u", f"{BOOT_DIR}/_sandbox_boot.py", *boot_args])
 
@@ -132,6 +119,8 @@ class PythonTool(Tool):
         sandbox: SandboxKind = "kernel",
         sandbox_fusion_url: str | None = None,
         audit_hook: bool = True,
+        warm_sandboxes: int = 0,
+        warm_idle_seconds: int = 30,
     ) -> None:
         if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0 or max_scratch_mb <= 0:
             raise ValueError("timeout, cpu_seconds, memory_mb and max_scratch_mb must be positive")
@@ -165,6 +154,11 @@ class PythonTool(Tool):
         if missing:
             raise ValueError(f"readable_paths do not exist: {missing}")
         self.max_scratch_mb = int(max_scratch_mb)
+        if warm_sandboxes < 0 or warm_idle_seconds < 5:
+            raise ValueError("warm_sandboxes must be >= 0 and warm_idle_seconds >= 5")
+        self.warm_sandboxes = int(warm_sandboxes)
+        self.warm_idle_seconds = int(warm_idle_seconds)
+        self._pool: RunVar[WarmPool] = RunVar(f"python_tool_pool_{id(self)}")
         if sandbox == "unsafe_subprocess":
             logger.warning(
                 "python tool: sandbox=unsafe_subprocess — model-written code runs in a plain subprocess WITHOUT "
@@ -245,24 +239,51 @@ class PythonTool(Tool):
             "extra_paths": list(interpreter_files(self.python).site_packages) if self.allow_site_packages else [],
         }
         if kernel:
-            spec = _seccomp_spec()
-            cfg["seccomp"] = {"path": spec["path"], "rules": spec["rules"]}
+            try:
+                cfg["seccomp"] = compiled_filter()
+            except Exception as e:  # seccompy missing, or no syscall table for this architecture
+                raise SandboxUnavailable(
+                    f"python tool sandbox: cannot build the seccomp filter ({type(e).__name__}: {e}); `pip install "
+                    "seccompy` (a dependency of agentloop); seccomp needs Linux on x86_64 or aarch64") from e
             cfg["require_isolation"] = True
         return cfg
 
-    async def _run_kernel(self, code: str) -> SandboxOutput:
+    def _warm_pool(self) -> WarmPool:
+        try:
+            return self._pool.get()
+        except LookupError:
+            pool = WarmPool(self.warm_sandboxes, max_age=self.warm_idle_seconds - 2)
+            self._pool.set(pool)
+            return pool
+
+    async def aclose(self) -> None:
+        """Kill the sandboxes started ahead for this event loop (unused ones also end by themselves)."""
+        await self._warm_pool().aclose()
+
+    async def _start_kernel(self) -> Any:
         def command() -> list[str]:
             cfg = self._boot_config(SCRATCH, kernel=True)
+            cfg["idle_seconds"] = self.warm_idle_seconds
             return _kernel_command(self.python, readable=self.readable_paths, site_packages=self.allow_site_packages,
-                                   scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[json.dumps(cfg)])
+                                   scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[marshal.dumps(cfg).hex()])
 
         try:
             cmd = await anyio.to_thread.run_sync(command)
         except SandboxUnavailable as e:
             logger.error("%s", e)
             raise
-        out = await run_sandboxed(cmd, stdin=code.encode("utf-8", "replace"), env={}, cwd="/", timeout=self.timeout,
-                                  max_output_bytes=self.max_output_bytes)
+        return await start_sandboxed(cmd, env={}, cwd="/")
+
+    async def _run_kernel(self, code: str) -> SandboxOutput:
+        pool = self._warm_pool()
+        proc = await pool.take() or await self._start_kernel()
+        try:
+            await pool.fill(self._start_kernel)  # replacements boot while this call runs
+        except BaseException:
+            await kill_process(proc)
+            raise
+        out = await communicate(proc, stdin=code.encode("utf-8", "replace"), timeout=self.timeout,
+                                max_output_bytes=self.max_output_bytes)
         rc = out.returncode
         if rc is not None and 128 < rc <= 128 + 64:  # bubblewrap reports a child killed by signal N as 128 + N
             out.returncode = -(rc - 128)
@@ -278,7 +299,7 @@ class PythonTool(Tool):
         try:
             cfg = await anyio.to_thread.run_sync(lambda: self._boot_config(scratch, kernel=False))
             # -u: unbuffered, so what was printed before a kill (timeout, CPU limit) still comes back.
-            cmd = [self.python, "-I", "-S", "-B", "-u", str(_BOOT), json.dumps(cfg)]
+            cmd = [self.python, "-I", "-S", "-B", "-u", str(_BOOT), marshal.dumps(cfg).hex()]
             return await run_sandboxed(cmd, stdin=code.encode("utf-8", "replace"), env={"HOME": scratch, "TMPDIR": scratch},
                                        cwd=scratch, timeout=self.timeout, max_output_bytes=self.max_output_bytes)
         finally:

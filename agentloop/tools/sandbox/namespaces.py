@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 SCRATCH = "/tmp"  # the fresh tmpfs: cwd, HOME and TMPDIR of the code
-BOOT_DIR = "/opt/agentloop"  # where the boot script and seccompy are mounted inside
+BOOT_DIR = "/opt/agentloop"  # where the boot script is mounted inside
 INSIDE_UID = 1000
 HOST_UID_WHEN_ROOT = 65534
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -110,7 +110,7 @@ def _inside(path: str, dirs: Sequence[str]) -> bool:
 
 
 def sandbox_command(
-    tools: HostTools, interp: InterpreterFiles, *, root: bool, boot: str, seccompy_dir: str, scratch_bytes: int,
+    tools: HostTools, interp: InterpreterFiles, *, root: bool, boot: str, scratch_bytes: int,
     readable: Sequence[str] = (), site_packages: bool = False, python_args: Sequence[str] = (),
 ) -> list[str]:
     """The argv that runs `interp` (with `python_args`) in the sandbox. `readable`: extra host paths the
@@ -122,7 +122,7 @@ def sandbox_command(
         assert tools.setpriv and tools.unshare
         ro += [(tools.setpriv, tools.setpriv), (tools.unshare, tools.unshare)]
         ro += [(lib, lib) for lib in tools.libraries]
-    ro += [(boot, f"{BOOT_DIR}/_sandbox_boot.py"), (seccompy_dir, f"{BOOT_DIR}/seccompy")]
+    ro.append((boot, f"{BOOT_DIR}/_sandbox_boot.py"))
     if site_packages:
         ro += [(d, d) for d in interp.site_packages]
     ro += [(os.path.realpath(p), os.path.realpath(p)) for p in readable]

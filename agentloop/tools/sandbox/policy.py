@@ -11,15 +11,17 @@ family but AF_UNIX (asyncio needs a socketpair; the network namespace is empty a
 Foreign ABIs (i386 via int 0x80) are killed by seccompy's architecture check; x32 numbers of the
 denied calls are denied too, for kernels built with the x32 ABI.
 
-The rules are data (`seccomp_rules`) so the worker can log and test them; the sandbox's boot script
-compiles them with seccompy and loads them before any model code runs.
+The rules are data (`seccomp_rules`) so they can be read and tested; `compiled_filter` turns them into the
+BPF program with seccompy (once per worker), and the sandbox's boot script loads that program before any
+model code runs.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 
-__all__ = ["DENIED_SYSCALLS", "seccomp_rules"]
+__all__ = ["DENIED_SYSCALLS", "compiled_filter", "seccomp_rules"]
 
 CLONE_THREAD = 0x00010000
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -84,3 +86,15 @@ def seccomp_rules() -> list[Rule]:
         x32.update(n | X32_SYSCALL_BIT for n in X32_ONLY)
         rules += [(nr, errno.EPERM, []) for nr in sorted(x32)]
     return rules
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_filter() -> bytes:
+    """The policy as a seccomp BPF program (packed `struct sock_filter`s) for the native architecture:
+    foreign architectures are killed, the rules above return their errno, everything else is allowed."""
+    import seccompy
+
+    filt = seccompy.Filter(default=seccompy.Action.ALLOW)
+    for nr, err, conds in seccomp_rules():
+        filt.errno(nr, err, args=[seccompy.ArgCmp(*c) for c in conds] or None)
+    return filt.program

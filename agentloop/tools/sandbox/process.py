@@ -1,6 +1,8 @@
-"""Run one sandbox process to completion: feed it the code on stdin, drain stdout/stderr up to a byte cap
-each (the rest is read and counted, so a chatty child never blocks on a full pipe), stop it at a wall-clock
-timeout, and kill its whole process group whatever happens (done, timed out, cancelled by the caller).
+"""Run one sandbox process to completion: start it in a new session (`start_sandboxed`), feed it the code
+on stdin, drain stdout/stderr up to a byte cap each (the rest is read and counted, so a chatty child never
+blocks on a full pipe), stop it at a wall-clock timeout, and kill its whole process group whatever happens
+(done, timed out, cancelled by the caller) (`communicate`). A process may be started ahead of its call
+(`WarmPool`): it is used for exactly one call, so no call ever sees another's state.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import anyio.abc
+from anyio.abc import Process
 
-__all__ = ["SandboxOutput", "run_sandboxed"]
+__all__ = ["SandboxOutput", "WarmPool", "communicate", "kill_process", "run_sandboxed", "start_sandboxed"]
 
 
 @dataclass
@@ -30,18 +33,19 @@ class SandboxOutput:
     stderr_dropped: int = 0
 
 
-async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes]) -> int:
-    """Read all of `stream`, keep the first `cap` bytes in `sink`, return how many bytes were dropped."""
+async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes], dropped: list[int],
+                        i: int) -> None:
+    """Read all of `stream`, keep the first `cap` bytes in `sink`, count the rest in `dropped[i]` as it goes
+    (so the count is right even when the read is cancelled at the timeout)."""
     if stream is None:
-        return 0
-    kept = dropped = 0
+        return
+    kept = 0
     async for chunk in stream:
         room = cap - kept
         if room > 0:
             sink.append(chunk[:room])
             kept += min(room, len(chunk))
-        dropped += max(0, len(chunk) - max(room, 0))
-    return dropped
+        dropped[i] += max(0, len(chunk) - max(room, 0))
 
 
 def _kill_group(pid: int) -> None:
@@ -51,17 +55,27 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-async def run_sandboxed(
-    cmd: Sequence[str], *, stdin: bytes, env: Mapping[str, str], cwd: str, timeout: float, max_output_bytes: int,
-) -> SandboxOutput:
-    """Start `cmd` in a new session, send `stdin`, wait at most `timeout` seconds. Raises OSError when the
-    command cannot be started at all."""
+async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str) -> Process:
+    """Start `cmd` in a new session (its process group is what gets killed). Raises OSError if it cannot start."""
+    return await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True)
+
+
+async def kill_process(proc: Process) -> None:
+    """SIGKILL the process group and reap the process (shielded: runs even while being cancelled)."""
+    with anyio.CancelScope(shield=True):
+        _kill_group(proc.pid)
+        await proc.wait()
+        await proc.aclose()
+
+
+async def communicate(proc: Process, *, stdin: bytes, timeout: float, max_output_bytes: int) -> SandboxOutput:
+    """Send `stdin` (then EOF), collect capped output until the process exits or `timeout` seconds pass,
+    then kill its process group."""
     out_chunks: list[bytes] = []
     err_chunks: list[bytes] = []
     dropped = [0, 0]
     t0 = time.monotonic()
     timed_out = False
-    proc = await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True)
     try:
         with anyio.move_on_after(timeout) as scope:
             async with anyio.create_task_group() as tg:
@@ -75,19 +89,13 @@ async def run_sandboxed(
                     finally:
                         await proc.stdin.aclose()
 
-                async def drain(i: int, stream: Any, sink: list[bytes]) -> None:
-                    dropped[i] = await _read_capped(stream, max_output_bytes, sink)
-
                 tg.start_soon(feed)
-                tg.start_soon(drain, 0, proc.stdout, out_chunks)
-                tg.start_soon(drain, 1, proc.stderr, err_chunks)
+                tg.start_soon(_read_capped, proc.stdout, max_output_bytes, out_chunks, dropped, 0)
+                tg.start_soon(_read_capped, proc.stderr, max_output_bytes, err_chunks, dropped, 1)
                 await proc.wait()
         timed_out = scope.cancelled_caught
     finally:
-        with anyio.CancelScope(shield=True):
-            _kill_group(proc.pid)
-            await proc.wait()
-            await proc.aclose()
+        await kill_process(proc)
     return SandboxOutput(
         stdout=b"".join(out_chunks).decode("utf-8", "replace"),
         stderr=b"".join(err_chunks).decode("utf-8", "replace"),
@@ -97,3 +105,39 @@ async def run_sandboxed(
         stdout_dropped=dropped[0],
         stderr_dropped=dropped[1],
     )
+
+
+async def run_sandboxed(
+    cmd: Sequence[str], *, stdin: bytes, env: Mapping[str, str], cwd: str, timeout: float, max_output_bytes: int,
+) -> SandboxOutput:
+    """start_sandboxed + communicate."""
+    proc = await start_sandboxed(cmd, env=env, cwd=cwd)
+    return await communicate(proc, stdin=stdin, timeout=timeout, max_output_bytes=max_output_bytes)
+
+
+class WarmPool:
+    """Sandboxes started ahead of their call, for one event loop. Each is handed out once (`take`), so
+    every call still gets a fresh one; one older than `max_age` seconds is discarded (its boot ends itself
+    after an idle timeout, so an unused one never lingers)."""
+
+    def __init__(self, size: int, max_age: float) -> None:
+        self.size, self.max_age = size, max_age
+        self._ready: list[tuple[float, Process]] = []
+
+    async def take(self) -> Process | None:
+        while self._ready:
+            started, proc = self._ready.pop(0)
+            if time.monotonic() - started < self.max_age and proc.returncode is None:
+                return proc
+            await kill_process(proc)
+        return None
+
+    async def fill(self, start: Callable[[], Awaitable[Process]]) -> None:
+        """Start sandboxes until `size` are ready (starting only spawns; they boot while the caller works)."""
+        while len(self._ready) < self.size:
+            self._ready.append((time.monotonic(), await start()))
+
+    async def aclose(self) -> None:
+        ready, self._ready = self._ready, []
+        for _, proc in ready:
+            await kill_process(proc)
