@@ -358,9 +358,13 @@ def _run(ns, source):
         raise
     except BaseException as e:  # print the traceback without this bootstrap's frame, with source lines
         sys.stdout.flush()
-        import linecache
-        import traceback
-
+        try:
+            import linecache
+            import traceback
+        except BaseException:  # the code broke the import system (e.g. replaced builtins): the bare message
+            sys.stderr.write("%s: %s\n" % (type(e).__name__, e))
+            sys.stderr.flush()
+            os._exit(1)
         linecache.cache["<tool code>"] = (len(source), None, source.splitlines(True), "<tool code>")
         te = traceback.TracebackException(type(e), e, e.__traceback__)
         for t in _chain(te):  # the model needs its own frames, not the sandbox's
