@@ -311,6 +311,29 @@ def _check_isolation(seccomp):
         _refuse("isolation check failed: " + "; ".join(problems))
 
 
+class _ShutilByPath:
+    """Directory fds are refused (see the hook), so shutil.rmtree must walk by path (still audited per
+    path): set that when the code first imports shutil, instead of importing it for every call."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "shutil":
+            return None
+        import _frozen_importlib_external
+
+        sys.meta_path.remove(_ShutilByPath)
+        spec = _frozen_importlib_external.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module._use_fd_functions = False
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
 def _main():
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     null = os.open(os.devnull, os.O_RDONLY)
@@ -324,10 +347,7 @@ def _main():
     sys.path.extend(cfg.get("extra_paths", ()))
     sys.argv = ["<tool code>"]
     if cfg.get("audit_hook", True):
-        import shutil
-
-        # Directory fds are refused (see the hook), so rmtree must walk by path (still audited per path).
-        shutil._use_fd_functions = False
+        sys.meta_path.insert(0, _ShutilByPath)
         readable = _readable_roots(cfg)
         _strip_unaudited()
         sys.addaudithook(_make_hook(scratch, frozenset(cfg["blocked_imports"]), readable))

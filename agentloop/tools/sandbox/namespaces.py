@@ -30,6 +30,7 @@ other process of the PID namespace; killing bubblewrap (timeout, cancellation) k
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -88,8 +89,9 @@ def _bwrap() -> str:
     )
 
 
+@functools.lru_cache(maxsize=2)
 def find_host_tools(root: bool) -> HostTools:
-    """The programs the chain needs, or SandboxUnavailable naming the missing one."""
+    """The programs the chain needs, or SandboxUnavailable naming the missing one (found once per process)."""
     bwrap = _bwrap()
     if not root:
         return HostTools(bwrap, None, None, ())
