@@ -45,7 +45,7 @@ from ..sandbox.namespaces import (
     BOOT_DIR, SCRATCH, SandboxUnavailable, explain_failure, find_host_tools, sandbox_command,
 )
 from ..sandbox.policy import compiled_filter
-from ..sandbox.process import SandboxOutput, WarmPool, communicate, kill_process, run_sandboxed, start_sandboxed
+from ..sandbox.process import Sandboxed, SandboxOutput, WarmPool, communicate, kill_process, run_sandboxed, start_sandboxed
 
 __all__ = ["BLOCKED_IMPORTS", "PythonTool", "SandboxOutput", "SandboxUnavailable"]
 
@@ -260,7 +260,7 @@ class PythonTool(Tool):
         """Kill the sandboxes started ahead for this event loop (unused ones also end by themselves)."""
         await self._warm_pool().aclose()
 
-    async def _start_kernel(self) -> Any:
+    async def _start_kernel(self) -> Sandboxed:
         def command() -> list[str]:
             cfg = self._boot_config(SCRATCH, kernel=True)
             cfg["idle_seconds"] = self.warm_idle_seconds
@@ -272,17 +272,17 @@ class PythonTool(Tool):
         except SandboxUnavailable as e:
             logger.error("%s", e)
             raise
-        return await start_sandboxed(cmd, env={}, cwd="/")
+        return await start_sandboxed(cmd, env={}, cwd="/", bwrap=True)
 
     async def _run_kernel(self, code: str) -> SandboxOutput:
         pool = self._warm_pool()
-        proc = await pool.take() or await self._start_kernel()
+        box = await pool.take() or await self._start_kernel()
         try:
             await pool.fill(self._start_kernel)  # replacements boot while this call runs
         except BaseException:
-            await kill_process(proc)
+            await kill_process(box)
             raise
-        out = await communicate(proc, stdin=code.encode("utf-8", "replace"), timeout=self.timeout,
+        out = await communicate(box, stdin=code.encode("utf-8", "replace"), timeout=self.timeout,
                                 max_output_bytes=self.max_output_bytes)
         rc = out.returncode
         if rc is not None and 128 < rc <= 128 + 64:  # bubblewrap reports a child killed by signal N as 128 + N

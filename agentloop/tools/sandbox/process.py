@@ -17,7 +17,10 @@ import anyio
 import anyio.abc
 from anyio.abc import Process
 
-__all__ = ["SandboxOutput", "WarmPool", "communicate", "kill_process", "run_sandboxed", "start_sandboxed"]
+__all__ = ["SandboxOutput", "Sandboxed", "WarmPool", "communicate", "kill_process", "run_sandboxed", "start_sandboxed"]
+
+# How long the kill waits for the sandbox's PID 1 (and so every process in it) to be gone.
+PID1_EXIT_SECONDS = 10.0
 
 
 @dataclass
@@ -55,22 +58,61 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str) -> Process:
-    """Start `cmd` in a new session (its process group is what gets killed). Raises OSError if it cannot start."""
-    return await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True)
+@dataclass
+class Sandboxed:
+    """A started sandbox process. `alive_fd`: read end of a pipe whose write end only the sandbox's PID 1
+    holds (bubblewrap `--sync-fd`); it reads EOF once PID 1 is gone, which the kernel lets happen only
+    after every other process of the PID namespace has died."""
+
+    proc: Process
+    alive_fd: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
 
-async def kill_process(proc: Process) -> None:
-    """SIGKILL the process group and reap the process (shielded: runs even while being cancelled)."""
+async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str, bwrap: bool = False) -> Sandboxed:
+    """Start `cmd` in a new session (its process group is what gets killed). With `bwrap` (cmd[0] is
+    bubblewrap), also hand it a `--sync-fd` so that `kill_process` can wait until the whole sandbox is
+    gone. Raises OSError if it cannot start."""
+    if not bwrap:
+        return Sandboxed(await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True))
+    r, w = os.pipe()
+    try:
+        cmd = [cmd[0], "--sync-fd", str(w), *cmd[1:]]
+        proc = await anyio.open_process(cmd, cwd=cwd, env=dict(env), start_new_session=True, pass_fds=[w])
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return Sandboxed(proc, r)
+
+
+async def kill_process(box: Sandboxed) -> None:
+    """SIGKILL the process group, reap the process and, for a bubblewrap sandbox, wait until every process
+    in it has died (shielded: runs even while being cancelled)."""
     with anyio.CancelScope(shield=True):
-        _kill_group(proc.pid)
-        await proc.wait()
-        await proc.aclose()
+        _kill_group(box.proc.pid)  # bubblewrap's PID 1 gets SIGKILL from --die-with-parent
+        await box.proc.wait()
+        await box.proc.aclose()
+        if box.alive_fd is not None:
+            fd, box.alive_fd = box.alive_fd, None
+            try:
+                with anyio.move_on_after(PID1_EXIT_SECONDS):
+                    while True:  # nothing is ever written: readable means EOF
+                        await anyio.wait_readable(fd)
+                        if not os.read(fd, 1):
+                            break
+            finally:
+                os.close(fd)
 
 
-async def communicate(proc: Process, *, stdin: bytes, timeout: float, max_output_bytes: int) -> SandboxOutput:
+async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_output_bytes: int) -> SandboxOutput:
     """Send `stdin` (then EOF), collect capped output until the process exits or `timeout` seconds pass,
-    then kill its process group."""
+    then kill it (`kill_process`)."""
+    proc = box.proc
     out_chunks: list[bytes] = []
     err_chunks: list[bytes] = []
     dropped = [0, 0]
@@ -95,7 +137,7 @@ async def communicate(proc: Process, *, stdin: bytes, timeout: float, max_output
                 await proc.wait()
         timed_out = scope.cancelled_caught
     finally:
-        await kill_process(proc)
+        await kill_process(box)
     return SandboxOutput(
         stdout=b"".join(out_chunks).decode("utf-8", "replace"),
         stderr=b"".join(err_chunks).decode("utf-8", "replace"),
@@ -111,8 +153,8 @@ async def run_sandboxed(
     cmd: Sequence[str], *, stdin: bytes, env: Mapping[str, str], cwd: str, timeout: float, max_output_bytes: int,
 ) -> SandboxOutput:
     """start_sandboxed + communicate."""
-    proc = await start_sandboxed(cmd, env=env, cwd=cwd)
-    return await communicate(proc, stdin=stdin, timeout=timeout, max_output_bytes=max_output_bytes)
+    box = await start_sandboxed(cmd, env=env, cwd=cwd)
+    return await communicate(box, stdin=stdin, timeout=timeout, max_output_bytes=max_output_bytes)
 
 
 class WarmPool:
@@ -122,22 +164,22 @@ class WarmPool:
 
     def __init__(self, size: int, max_age: float) -> None:
         self.size, self.max_age = size, max_age
-        self._ready: list[tuple[float, Process]] = []
+        self._ready: list[tuple[float, Sandboxed]] = []
 
-    async def take(self) -> Process | None:
+    async def take(self) -> Sandboxed | None:
         while self._ready:
-            started, proc = self._ready.pop(0)
-            if time.monotonic() - started < self.max_age and proc.returncode is None:
-                return proc
-            await kill_process(proc)
+            started, box = self._ready.pop(0)
+            if time.monotonic() - started < self.max_age and box.returncode is None:
+                return box
+            await kill_process(box)
         return None
 
-    async def fill(self, start: Callable[[], Awaitable[Process]]) -> None:
+    async def fill(self, start: Callable[[], Awaitable[Sandboxed]]) -> None:
         """Start sandboxes until `size` are ready (starting only spawns; they boot while the caller works)."""
         while len(self._ready) < self.size:
             self._ready.append((time.monotonic(), await start()))
 
     async def aclose(self) -> None:
         ready, self._ready = self._ready, []
-        for _, proc in ready:
-            await kill_process(proc)
+        for _, box in ready:
+            await kill_process(box)
