@@ -7,8 +7,23 @@ import argparse
 from typing import Any
 
 
+LIMITS_HELP = """request limits (each request is checked against them before any work; the server keeps serving):
+  body size      every endpoint reads at most --max-request-bytes of body, except
+                 /update_weights_from_tensor (weight payloads): --max-weights-request-bytes.
+                 A larger body is refused with 413, before it is read when Content-Length says so.
+  n              /generate's sampling_params.n may be at most --max-n (400 above).
+  total work     one /generate may ask for at most --max-request-tokens tokens: prompt tokens +
+                 max_new_tokens summed over all its inputs and samples (400 above: send it in parts).
+  malformed      a body that is not JSON, not an object, nested too deeply or with fields of the
+                 wrong type is answered 4xx with a message (SGLang's error bodies), never 500."""
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the CPU reference engine over SGLang's HTTP API")
+    from ..engine.local.limits import RequestLimits
+
+    d = RequestLimits()
+    p = subparsers.add_parser("serve", help="serve the CPU reference engine over SGLang's HTTP API",
+                              epilog=LIMITS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF causal LM folder (default: the shipped tiny tool model); --model-path as in SGLang")
     p.add_argument("--host", default="127.0.0.1")
@@ -24,6 +39,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--return-original-logprob", action="store_true",
         help="report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs",
     )
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="most body bytes of any request but weight payloads (default: %(default)s = 16 MiB)")
+    p.add_argument("--max-weights-request-bytes", type=int, default=d.max_weights_request_bytes,
+                   help="most body bytes of /update_weights_from_tensor (default: %(default)s = 1 GiB)")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="most sampling_params.n of one /generate (default: %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+                   help="most tokens of work of one /generate: prompt + max_new_tokens over all its samples "
+                   "(default: %(default)s)")
     p.add_argument("--log-level", default="info")
     return p
 

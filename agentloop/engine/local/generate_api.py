@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
-from .http_common import ENGINE_KEY, RequestValidationError, error_response, http_exception, json_body, unhealthy_response
+from .http_common import ENGINE_KEY, LIMITS_KEY, RequestLimits, RequestValidationError, error_response, http_exception, json_body, unhealthy_response
 from .request import Request
 
 _LOGPROB_FIELDS = (("return_logprob", False), ("logprob_start_len", -1), ("top_logprobs_num", 0))
@@ -66,8 +66,12 @@ def _rids(rid: Any, batch_size: int, batch: bool) -> list[str | None]:
     raise EngineInputError("The rid should be a string or a list of strings.")
 
 
-def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Request], bool]:
-    """The engine requests of one /generate body, in SGLang's output order; and whether it answers a list."""
+def build_requests(engine: LocalEngine, body: dict[str, Any],
+                   limits: RequestLimits | None = None) -> tuple[list[Request], bool]:
+    """The engine requests of one /generate body, in SGLang's output order; and whether it answers a list.
+    `limits` bounds `n` and the total work (prompt + max_new_tokens over all samples), checked as the
+    requests are built, so a huge ask is refused before it costs anything."""
+    limits = limits or RequestLimits()
     ids = body.get("input_ids")
     if ids is None:
         if body.get("text") is not None:
@@ -83,6 +87,9 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
     if isinstance(sp, list) and len(sp) != len(items):
         raise EngineInputError(f"sampling_params is a list of {len(sp)} but the batch has {len(items)} inputs")
     n = _parallel_sample_num(sp)
+    if n > limits.max_n:
+        raise EngineInputError(f"sampling_params.n={n} is more than this server allows per request "
+                               f"({limits.max_n}; agentloop serve --max-n)")
     rids = _rids(body.get("rid"), len(items), batch)
     per_item: dict[str, list[Any]] = {}
     for name, default in _LOGPROB_FIELDS:
@@ -98,6 +105,7 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
         else:
             per_item[name] = [default if value is None else value] * len(items)
     reqs: list[Request] = []
+    work = 0
     for i, item in enumerate(items):
         logical = rids[i]
         if logical is not None and not isinstance(logical, str):
@@ -115,6 +123,11 @@ def build_requests(engine: LocalEngine, body: dict[str, Any]) -> tuple[list[Requ
                 where=f"input_ids[{i}]" if batch else "input_ids",
             ))
             reqs[-1].parent_rid = parent
+            work += len(reqs[-1].input_ids) + reqs[-1].max_new_tokens
+            if work > limits.max_request_tokens:
+                raise EngineInputError(
+                    f"the request asks for more than {limits.max_request_tokens} tokens of work (prompt + max_new_tokens "
+                    f"over its {len(items) * n} samples; agentloop serve --max-request-tokens): send it in parts")
     got = [r.rid for r in reqs]
     if len(set(got)) != len(got):
         raise EngineInputError(f"rids in one batch must be unique, got {got}")
@@ -204,7 +217,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     stream = bool(body.get("stream", False))
     try:
-        reqs, as_list = build_requests(engine, body)
+        reqs, as_list = build_requests(engine, body, request.app.get(LIMITS_KEY))
     except RequestValidationError:
         raise
     except EngineInputError as e:

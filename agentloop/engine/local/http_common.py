@@ -1,4 +1,11 @@
-"""Shared pieces of the CPU engine's HTTP layer: app keys, JSON bodies and SGLang's error bodies.
+"""Shared pieces of the CPU engine's HTTP layer: app keys, request limits, JSON bodies and SGLang's
+error bodies.
+
+Request limits (`RequestLimits`, `agentloop serve --max-request-bytes/--max-weights-request-bytes/
+--max-n/--max-request-tokens`): a body is read only up to its endpoint's byte limit (a declared
+Content-Length over it is refused before anything is read: 413), large only for
+`/update_weights_from_tensor`; big bodies are decoded off the event loop so `/health` keeps answering;
+a body nested too deeply for the JSON decoder is a 400 like any malformed body.
 
 SGLang answers errors in two shapes and the CPU engine copies both (sglang 0.5.17 `http_server.py`):
 - handler errors (a `ValueError` from validation or the engine): `{"error": {"message": ...}}`
@@ -11,15 +18,21 @@ SGLang answers errors in two shapes and the CPU engine copies both (sglang 0.5.1
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
+from .limits import WEIGHT_PAYLOAD_PATHS, RequestLimits
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 ARGS_KEY = web.AppKey("server_args", dict)
+
+LIMITS_KEY = web.AppKey("request_limits", RequestLimits)
+#: Bodies larger than this are decoded in a worker thread (the event loop keeps serving meanwhile).
+_DECODE_OFF_LOOP_BYTES = 1 << 20
 
 
 class RequestValidationError(EngineInputError):
@@ -56,16 +69,42 @@ def response_for(e: EngineInputError) -> web.Response:
     return error_response(e.status, e.message)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The body, read only up to the endpoint's byte limit (413 past it, before reading when the
+    Content-Length says so)."""
+    limits = request.app.get(LIMITS_KEY) or RequestLimits()
+    limit = limits.body_limit(request.path)
+    too_large = (f"request body is larger than the {limit} bytes {request.path} accepts "
+                 f"(agentloop serve --max-{'weights-' if request.path in WEIGHT_PAYLOAD_PATHS else ''}request-bytes)")
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestValidationError(too_large, status=413)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise RequestValidationError(too_large, status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestValidationError(f"malformed JSON body (JSON decode error): {e}") from None
+    except RecursionError:
+        raise RequestValidationError("malformed JSON body: nested too deeply") from None
+
+
 async def json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw.strip():
         if allow_empty:
             return {}
         raise RequestValidationError("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestValidationError(f"malformed JSON body (JSON decode error): {e}") from None
+    # A big body (weights) is decoded off the loop: /health and other requests keep being answered.
+    body = await asyncio.to_thread(_decode, raw) if len(raw) > _DECODE_OFF_LOOP_BYTES else _decode(raw)
     if body is None and allow_empty:
         return {}
     if not isinstance(body, dict):

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
 from .generate_api import generate, health_generate
-from .http_common import ARGS_KEY, ENGINE_KEY, error_response, http_exception, json_body, response_for, unhealthy_response
+from .http_common import ARGS_KEY, ENGINE_KEY, LIMITS_KEY, RequestLimits, error_response, http_exception, json_body, response_for, unhealthy_response
 
 log = logging.getLogger("agentloop.serve")
 
@@ -223,8 +223,13 @@ async def server_info(request: web.Request) -> web.Response:
     })
 
 
-def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=1024**3)
+def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None,
+              limits: RequestLimits | None = None) -> web.Application:
+    limits = limits or RequestLimits()
+    # Bodies are read by `read_body` under each endpoint's own limit; this is only the outer bound.
+    app = web.Application(middlewares=[_errors],
+                          client_max_size=max(limits.max_request_bytes, limits.max_weights_request_bytes))
+    app[LIMITS_KEY] = limits
     app[ENGINE_KEY] = engine
     app[ARGS_KEY] = dict(server_args or {})
     # Methods as SGLang's decorators: @app.api_route(..., methods=[...]) / @app.get / @app.post.
@@ -309,7 +314,9 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     server_args["port"] = port
     log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, port)
-    web.run_app(build_app(engine, server_args), sock=sock, print=None, access_log=None,
+    limits = RequestLimits(max_request_bytes=args.max_request_bytes, max_weights_request_bytes=args.max_weights_request_bytes,
+                           max_n=args.max_n, max_request_tokens=args.max_request_tokens)
+    web.run_app(build_app(engine, server_args, limits), sock=sock, print=None, access_log=None,
                 # Cancel a handler whose client went away, so its requests are aborted (SGLang does too).
                 handler_cancellation=True)
     return 0

@@ -1,0 +1,31 @@
+"""What one request may ask of the CPU engine's server (`agentloop serve --help` lists them): body
+bytes by endpoint (small for everything but weight payloads), `n`, and the total tokens of work of one
+generate. Kept free of the engine's imports so the command's `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RequestLimits", "WEIGHT_PAYLOAD_PATHS"]
+
+#: Endpoints whose bodies carry weights (serialized tensors); every other body is small.
+WEIGHT_PAYLOAD_PATHS = frozenset({"/update_weights_from_tensor"})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the server (`agentloop serve --help` documents each)."""
+
+    #: Body bytes of any endpoint but the weight-payload ones (a generate body with 128k-token prompts
+    #: is a few MB).
+    max_request_bytes: int = 16 << 20
+    #: Body bytes of `/update_weights_from_tensor` (serialized weights).
+    max_weights_request_bytes: int = 1 << 30
+    #: Most `sampling_params.n` (parallel samples per input) of one generate.
+    max_n: int = 128
+    #: Most tokens of work one generate may ask for: over all its samples, prompt tokens + max_new_tokens.
+    max_request_tokens: int = 1 << 20
+
+    def body_limit(self, path: str) -> int:
+        return self.max_weights_request_bytes if path in WEIGHT_PAYLOAD_PATHS else self.max_request_bytes
