@@ -23,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,27 @@ def top(prof: cProfile.Profile, key: str, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def module_of(path: str, func: str) -> str:
+    """A readable group for a profiled function: agentloop's module, a third-party package, a stdlib module."""
+    if "/agentloop/" in path and "site-packages" not in path:
+        return "agentloop/" + path.split("/agentloop/", 1)[1]
+    if "site-packages/" in path:
+        return "/".join(path.split("site-packages/", 1)[1].split("/")[:2])
+    if path == "~":
+        return "builtin " + func.split(" of ")[0].strip("<>")[:40]
+    m = re.search(r"lib/python3\.\d+/([^/]+)", path)
+    return "stdlib " + m.group(1) if m else Path(path).name
+
+
+def by_module(prof: cProfile.Profile, n: int) -> list[dict[str, Any]]:
+    """Own CPU seconds summed per module group, largest first."""
+    acc: dict[str, float] = {}
+    for (path, _, func), (_, _, tt, _, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        key = module_of(path, func)
+        acc[key] = acc.get(key, 0.0) + tt
+    return [{"module": k, "own_cpu_s": r4(v)} for k, v in sorted(acc.items(), key=lambda kv: -kv[1])[:n]]
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with open_engine(args, max_running=max(256, args.concurrency)) as engine:
@@ -160,14 +182,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 tokens, _, _ = await measured(mode, args, "prof", prof)
                 total = sum(v[2] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
                 profiles[mode] = {"tokens": tokens, "profiled_cpu_s": r4(total),
-                                  "top_own": top(prof, "tottime", args.top), "top_cumulative": top(prof, "cumulative", args.top)}
+                                  "by_module": by_module(prof, args.top), "top_own": top(prof, "tottime", args.top),
+                                  "top_cumulative": top(prof, "cumulative", args.top)}
                 if args.pstats:
                     prof.dump_stats(str(Path(args.out) / f"client_cpu_profile_{mode}.pstats"))
             out["profiles"] = profiles
     print(f"CPU-s per 1k tokens: bare {out['cpu_seconds_per_1k_tokens']['bare']}, agentloop "
           f"{out['cpu_seconds_per_1k_tokens']['agentloop']} (x{out['agentloop_over_bare_cpu']})")
-    for f in out["profiles"]["agentloop"]["top_own"][:15]:
-        print(f"  own {f['own_cpu_s']:7.3f}s  cum {f['cumulative_cpu_s']:7.3f}s  calls {f['calls']:7d}  {f['function']}")
+    bare = {m["module"]: m["own_cpu_s"] for m in out["profiles"]["bare"]["by_module"]}
+    for m in out["profiles"]["agentloop"]["by_module"][:15]:
+        print(f"  own CPU {m['own_cpu_s']:7.3f}s (bare {bare.get(m['module'], 0.0):7.3f}s)  {m['module']}")
     return out
 
 
@@ -175,14 +199,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
     from _common import pyplot, save_figure, title_suffix
 
     plt = pyplot()
-    fns = report["profiles"]["agentloop"]["top_own"][:12][::-1]
-    fig, ax = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1, 3]})
+    mods = report["profiles"]["agentloop"]["by_module"][:14][::-1]
+    bare = {m["module"]: m["own_cpu_s"] for m in report["profiles"]["bare"]["by_module"]}
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 3]})
     c = report["cpu_seconds_per_1k_tokens"]
     ax[0].bar(["bare aiohttp", "agentloop"], [c["bare"], c["agentloop"]])
     ax[0].set(ylabel="client CPU-seconds per 1k generated tokens", title=f"x{report['agentloop_over_bare_cpu']}")
-    ax[1].barh([f["function"][:60] for f in fns], [f["own_cpu_s"] for f in fns])
-    ax[1].tick_params(axis="y", labelsize=7)
-    ax[1].set(xlabel="own CPU seconds (cProfile)", title="agentloop: top functions by own CPU time")
+    ys = range(len(mods))
+    ax[1].barh([y + 0.2 for y in ys], [m["own_cpu_s"] for m in mods], 0.4, label="agentloop")
+    ax[1].barh([y - 0.2 for y in ys], [bare.get(m["module"], 0.0) for m in mods], 0.4, label="bare aiohttp")
+    ax[1].set_yticks(list(ys), [m["module"][:50] for m in mods], fontsize=7)
+    ax[1].legend(fontsize=8)
+    ax[1].set(xlabel="own CPU seconds (cProfile, same work)", title="where the client CPU goes, by module")
     fig.suptitle(f"Client CPU cost, {title_suffix(report)}", fontsize=9)
     save_figure(fig, path)
 

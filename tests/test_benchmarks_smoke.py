@@ -110,7 +110,7 @@ def test_client_cpu_profile_smoke(tmp_path: Path) -> None:
     assert r["agentloop_over_bare_cpu"] == pytest.approx(cpu["agentloop"] / cpu["bare"], rel=1e-3)
     for mode in ("bare", "agentloop"):
         prof = r["profiles"][mode]
-        assert prof["tokens"] > 0 and prof["top_own"] and prof["top_cumulative"]
+        assert prof["tokens"] > 0 and prof["top_own"] and prof["top_cumulative"] and prof["by_module"]
     # the profile sees agentloop's own modules, not only the event loop
     assert any("agentloop" in f["path"] for f in r["profiles"]["agentloop"]["top_cumulative"])
 

@@ -21,6 +21,8 @@
 # SWEEP_MIN_PART (35) seconds is skipped and listed. SWEEP_BUDGET (default 520 s) counts from this
 # script's start: with ~20-30 s of install before it, the call stays under 9.5 minutes.
 #
+# SWEEP_PARTS (default "lifecycle weights throughput long_tail 7b") picks parts, e.g. a second call for the points
+# the budget left out: SWEEP_PARTS="throughput 7b" SWEEP_POINTS="128:2 64:2 128:0.05 64:0.05".
 # SWEEP_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang, every part
 # at --smoke-like sizes: proves the script end to end; not GPU results.
 #
@@ -42,6 +44,8 @@ MIN_PART=${SWEEP_MIN_PART:-35}
 DRYRUN=${SWEEP_DRYRUN:-0}
 POINTS=${SWEEP_POINTS:-"256:0.5 64:0.5 128:0.5 256:0.05 256:2 128:2 128:0.05 64:0.05 64:2"}
 MAX_BS=${SWEEP_MAX_BS:-256}
+PARTS=" ${SWEEP_PARTS:-lifecycle weights throughput long_tail 7b} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
 say() { echo "=== $* +$(now)s (left $(left)s)" | tee -a "$LOG"; }
@@ -52,7 +56,7 @@ WORK=${SWEEP_WORK:-/tmp/agentloop_sweep}
 rm -rf "$WORK"; mkdir -p "$WORK/results" "$WORK/points"
 RES="$WORK/results"
 {
-  echo "command: bash tools/gpu_sweep.sh OUTDIR (dryrun=$DRYRUN, budget ${BUDGET}s, points: $POINTS)"
+  echo "command: bash tools/gpu_sweep.sh OUTDIR (dryrun=$DRYRUN, budget ${BUDGET}s, parts:$PARTS points: $POINTS)"
   date -u; git -C "$REPO" rev-parse HEAD 2>/dev/null
   nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader 2>&1; nproc; free -g | head -2
   echo "time budget (estimates on an H200 with the JIT cache restored): server start + CUDA graph capture ~100 s,"
@@ -135,10 +139,12 @@ run_part() {  # NAME LIMIT BENCHMARK ARGS...: benchmarks/BENCHMARK.py against th
 }
 
 QWEN05="from agentloop.engine.launch import QWEN2_05B_CONFIG as CONFIG"
+if want lifecycle || want weights || want throughput || want long_tail; then
 start_server 05b "$QWEN05" "${SWEEP_MEM:-0.5}" True || { tail -30 "$LOG"; exit 1; }
-run_part lifecycle 75 lifecycle --out "$RES" $SIZE_LC
-run_part weights 60 weight_update --out "$RES" $SIZE_WU
+want lifecycle && run_part lifecycle 75 lifecycle --out "$RES" $SIZE_LC
+want weights && run_part weights 60 weight_update --out "$RES" $SIZE_WU
 n=0
+want throughput || POINTS=""
 for pt in $POINTS; do
   c=${pt%%:*}; lat=${pt##*:}
   [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
@@ -147,15 +153,19 @@ for pt in $POINTS; do
     --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1
   [ $? = 2 ] && break
   n=$((n + 1))
-  [ $n = 3 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+  [ $n = 3 ] && want long_tail && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
 done
-[ $n -lt 3 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
-cp "$SERVER_LOG" "$WORK/sglang_05b_full.log" 2>/dev/null
-python3 tools/gpu_sweep_report.py --points "$WORK/points" --windows "$WORK/windows.txt" --server-log "$SERVER_LOG" \
-  --out "$RES" >> "$LOG" 2>&1 || say "sweep report failed"
+[ $n -lt 3 ] && want long_tail && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+if [ -n "$POINTS" ]; then
+  python3 tools/gpu_sweep_report.py --points "$WORK/points" --windows "$WORK/windows.txt" --server-log "$SERVER_LOG" \
+    --out "$RES" 2>&1 | tee -a "$LOG" | tail -12 || say "sweep report failed"
+fi
 stop_server
+fi
 
-if [ "$(left)" -ge "${SWEEP_7B_MIN:-230}" ] && [ "$DRYRUN" != 1 ]; then
+if ! want 7b; then
+  :
+elif [ "$(left)" -ge "${SWEEP_7B_MIN:-230}" ] && [ "$DRYRUN" != 1 ]; then
   QWEN7="CONFIG = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'hidden_size': 3584, 'intermediate_size': 18944,
   'num_hidden_layers': 28, 'num_attention_heads': 28, 'num_key_value_heads': 4, 'vocab_size': 152064,
   'max_position_embeddings': 32768, 'rms_norm_eps': 1e-6, 'rope_theta': 1000000.0, 'hidden_act': 'silu',
