@@ -85,8 +85,6 @@ async def launch_sglang(ecfg: EngineConfig, processes: list[Any]) -> list[str]:
 
 async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Sequence[EngineClient]) -> Any:
     """The tokenizer from `engine.tokenizer`, else `model_path`, else the first server's `model_info()`."""
-    from transformers import AutoTokenizer
-
     path = ecfg.tokenizer or model_path
     if path is None:
         info = await clients[0].model_info()
@@ -95,7 +93,14 @@ async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Se
             raise AgentloopError(
                 f"no tokenizer: the server at {clients[0].url} reports tokenizer_path={path!r}, which is not a "
                 "local folder; set engine.tokenizer")
-    return await anyio.to_thread.run_sync(lambda: AutoTokenizer.from_pretrained(str(path)))
+    def load() -> Any:
+        # Imported here, off the event loop: importing transformers takes seconds, and the loop must
+        # keep serving the progress display and signals meanwhile.
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+
+    return await anyio.to_thread.run_sync(load)
 
 
 async def fit_context_to_engines(

@@ -90,6 +90,7 @@ def test_bad_ray_settings_name_the_field_and_the_line(tmp_path: Path, text: str,
         load_config(f)
 
 
+@pytest.mark.slow
 def test_rollout_on_a_local_ray_cluster(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     data = tmp_path / "prompts.jsonl"
@@ -120,6 +121,7 @@ def test_rollout_on_a_local_ray_cluster(tmp_path: Path) -> None:
     assert "done: 12 trajectories in 2 step(s)" in res.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_ray_run_cleanly(tmp_path: Path) -> None:
     # ray.init sets SIGTERM to sys.exit; RayRuntime puts the command's own handler back, so SIGTERM
     # still aborts in flight, puts the engines to sleep and writes the partial trajectories.

@@ -50,7 +50,7 @@ from agentloop.tools.builtin import CalculatorTool  # noqa: E402
 from agentloop.tools.registry import ToolRegistry  # noqa: E402
 from agentloop.types import Sample, Trajectory  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Ray cluster: a minute to start
 
 ENGINE_ARGS = ["--num-threads", "1", "--log-level", "warning"]
 WAKE = ["resume_weights", "update_weights", "resume_kv_cache"]

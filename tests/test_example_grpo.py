@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_grpo_example_three_steps(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(ROOT / "examples" / "grpo_cpu.py"), "--steps", "3", "--prompts", "3", "--n", "3",

@@ -130,6 +130,7 @@ async def test_not_ready_in_time_stops_the_server(fake_sglang, random_model_dir,
     assert server.proc is None
 
 
+@pytest.mark.slow
 async def test_attach_to_a_running_server_and_start_servers(fake_sglang, random_model_dir, tmp_path) -> None:
     port = free_port()
     launched = SGLangServer(SGLangLaunchConfig(model_path=str(random_model_dir), port=port),

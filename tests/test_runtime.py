@@ -86,6 +86,7 @@ def stage_names(rt: Runtime, first: int, phase: str) -> list[str]:
     return [r.stage for r in rt.lifecycle.records[first:] if r.phase == phase]
 
 
+@pytest.mark.slow
 async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: Path) -> None:
     async with LocalEngineProcess(model_dir) as proc:
         client = StateRecordingClient(SGLangClient(proc.url))
@@ -138,6 +139,7 @@ async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: P
         assert len(releases) == 4 and all(n == 0 for _, _, n in releases)  # nothing in flight at release
 
 
+@pytest.mark.slow
 async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> None:
     # A first turn long enough (1000 tokens) that no machine finishes it in the 0.2 s before the sleep.
     cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"concurrency": 4},
@@ -182,6 +184,7 @@ async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> No
             assert len(t.response_ids) == 1000 + 2 + 4
 
 
+@pytest.mark.slow
 async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None:
     cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"n": 2, "target_groups": 2, "concurrency": 8}}
     async with Runtime(cfg) as rt:
@@ -210,6 +213,7 @@ async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None
             assert t.weight_versions[-1] == v2 and t.weight_version == v2
 
 
+@pytest.mark.slow
 async def test_killing_one_of_two_servers_loses_no_trajectory(model_dir: Path) -> None:
     procs = [LocalEngineProcess(model_dir), LocalEngineProcess(model_dir)]
     async with anyio.create_task_group() as tg:

@@ -141,6 +141,7 @@ def _gt_plus_one(traj, sample) -> float:
     return float(sample.ground_truth) + 1.0
 
 
+@pytest.mark.slow
 def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps() -> None:
     """The shipped tiny tool model on the embedded CPU engine (a real `agentloop serve` subprocess): dict
     rows scored by the default reward, the configured default agent for rows that name none, and the
@@ -168,6 +169,7 @@ def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps
             assert res.metrics["generations_outside_awake"] == 0
 
 
+@pytest.mark.slow
 def test_a_trajectory_runs_up_to_the_real_engines_context_and_every_turn_gets_what_it_asked(tmp_path) -> None:
     """On the CPU engine (which caps max_new_tokens like SGLang's scheduler, at context - 2 - input),
     a replay trajectory longer than the context stops exactly at the usable context: the turn that

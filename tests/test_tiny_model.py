@@ -238,6 +238,7 @@ def test_training_mask_covers_exactly_the_assistant_turns(tok, script):
 # ------------------------------------------------------------------ accuracy (issue 3 thresholds)
 
 
+@pytest.mark.slow
 def test_greedy_accuracy_on_fresh_questions(script):
     assert script.EVAL_SEED != script.TRAIN_SEED
     ev = script.evaluate(tiny_tool_model(), n=200, seed=script.EVAL_SEED)
@@ -246,6 +247,7 @@ def test_greedy_accuracy_on_fresh_questions(script):
     assert ev["final_answer_accuracy"] >= 0.80, ev
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_greedy_accuracy_holds_on_other_fresh_question_sets(script, seed):
     """The thresholds are not a property of one lucky question set."""

@@ -108,16 +108,17 @@ async def _run_steps(run: _CommandRun) -> None:
 
     cfg = run.cfg
     out = Path(cfg.out)
-    where = ", ".join(cfg.runtime.engine.urls) or "the embedded CPU engine"
+    urls = cfg.runtime.engine.urls
+    where = f"attaching to {', '.join(urls)}" if urls else "starting the embedded CPU engine"
     rc = cfg.runtime.ray
     if rc.enabled:
         from ..distributed import RayRuntime  # Ray mode: the same step, run by worker and engine actors
 
-        run.progress.message(f"starting Ray mode ({rc.address or 'a local Ray'}; {rc.num_workers} rollout workers) "
-                             f"with {where} ...")
+        run.progress.message(f"starting Ray mode ({rc.address or 'a local Ray'}; {rc.num_workers} rollout workers), "
+                             f"{where} ...")
         runtime = run.runtime = RayRuntime(cfg.runtime)
     else:
-        run.progress.message(f"starting {where} ...")
+        run.progress.message(f"{where} ...")
         runtime = run.runtime = Runtime(cfg.runtime)
     try:
         await runtime.start()
@@ -273,6 +274,10 @@ async def _main(run: _CommandRun) -> int:
         if run.interrupted:
             code = EXIT_INTERRUPTED
         with anyio.CancelScope(shield=True):
+            if run.stream is not None:
+                # Seconds on a small machine (Parquet, the plot): say so rather than look stuck.
+                files = "trajectories.parquet, summary.json" + (", timeline.png" if run.cfg.timeline else "")
+                run.progress.message(f"writing {files} to {run.cfg.out} ...")
             run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
         if run.write_errors:
             code = EXIT_OUTPUT
