@@ -3,7 +3,8 @@
 One panel per step. Each trajectory is a row; its `TimelineEvent`s are drawn as colored segments
 (generate / tool / wait / queue / simulated user). The engine's lifecycle stages of that step (`StageRecord`s from
 `Lifecycle.records`: wake-up stages before the roll-out, sleep stages after) are shaded bands across
-all rows, labelled. Times are seconds from the step's first recorded moment. Both events and stage
+all rows; the dashed lines where the engine became awake and where its sleep began carry every
+stage's time, and only bands wide enough to see get a legend entry. Times are seconds from the step's first recorded moment. Both events and stage
 records must use the same clock (`time.monotonic`, as the lifecycle and scheduler do).
 
 Uses matplotlib's Agg backend: no display needed, safe in CI and on servers.
@@ -48,17 +49,42 @@ def _secs(x: float) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
+#: A stage band narrower than this fraction of its panel's time span cannot be seen: its time is
+#: written out in the phase's label instead, and it gets no legend entry of its own.
+READABLE_FRACTION = 0.01
+
+
+def _stage_times(records: Sequence[StageRecord]) -> str:
+    """`resume_weights 13 · update_weights 17 ms`: each stage's time, in one unit when all are short."""
+    if all(r.seconds < 1 for r in records):
+        return " · ".join(f"{r.stage} {r.seconds * 1000:.0f}" for r in records) + " ms"
+    return " · ".join(f"{r.stage} {_secs(r.seconds)}" for r in records)
+
+
 def _phase_marks(records: Sequence[StageRecord], t0: float) -> list[tuple[str, str, float, str]]:
     marks = []
     wake = [r for r in records if r.phase == "wake_up"]
     sleep = [r for r in records if r.phase == "sleep"]
     if wake:
         secs = sum(r.seconds for r in wake)
-        marks.append(("wake_up", "#238b45", max(r.end for r in wake) - t0, f"awake (wake-up {_secs(secs)})"))
+        marks.append(("wake_up", "#238b45", max(r.end for r in wake) - t0,
+                      f"awake (wake-up {_secs(secs)})\n{_stage_times(wake)}"))
     if sleep:
         secs = sum(r.seconds for r in sleep)
-        marks.append(("sleep", "#54278f", min(r.start for r in sleep) - t0, f"sleep {_secs(secs)}"))
+        marks.append(("sleep", "#54278f", min(r.start for r in sleep) - t0, f"sleep {_secs(secs)}\n{_stage_times(sleep)}"))
     return marks
+
+
+def _span(st: StepTimeline, t0: float) -> float:
+    ends = [r.end for r in st.records] + [e.end for t in st.trajectories for e in t.timeline]
+    return max(max(ends, default=t0) - t0, 1e-9)
+
+
+def readable_stages(st: StepTimeline) -> set[tuple[str, str]]:
+    """The (phase, stage) bands of a panel wide enough to be seen (see `READABLE_FRACTION`)."""
+    t0 = _origin(st)
+    span = _span(st, t0)
+    return {(r.phase, r.stage) for r in st.records if r.seconds >= READABLE_FRACTION * span}
 
 
 def _draw_step(ax, st: StepTimeline, stage_colors: dict[tuple[str, str], str]) -> None:  # noqa: ANN001
@@ -72,7 +98,7 @@ def _draw_step(ax, st: StepTimeline, stage_colors: dict[tuple[str, str], str]) -
         color = stage_colors[(r.phase, r.stage)]
         ax.axvspan(r.start - t0, max(r.end - t0, r.start - t0 + 1e-4), color=color, alpha=0.55, lw=0, zorder=0)
     # Stages can be far shorter than a pixel (a CPU engine wakes in milliseconds): mark where the
-    # engine became AWAKE and where its sleep began with lines and their total seconds, always visible.
+    # engine became AWAKE and where its sleep began with lines, labelled with every stage's time.
     for phase, color, at, text in _phase_marks(st.records, t0):
         ax.axvline(at, color=color, ls="--", lw=1.0, zorder=3)
         ax.annotate(text, (at, 1), xycoords=("data", "axes fraction"), xytext=(3 if phase == "wake_up" else -3, -3),
@@ -134,8 +160,10 @@ def plot_timeline(steps: Sequence[StepTimeline], path: str | Path, *, dpi: int =
     axes[-1, 0].set_xlabel("seconds since the step began")
     kinds = {e.kind for st in steps for t in st.trajectories for e in t.timeline}
     handles = [Patch(color=c, label=k) for k, c in SEGMENT_COLORS.items() if k in kinds]
+    # Only bands someone can see get a legend entry; the others' times are in the phase labels.
+    visible = set().union(*(readable_stages(st) for st in steps))
     handles += [Patch(color=c, alpha=0.55, label=f"{phase.replace('_', '-')}: {stage}")
-                for (phase, stage), c in stage_colors.items()]
+                for (phase, stage), c in stage_colors.items() if (phase, stage) in visible]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (sum(heights) + 1.0)))
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))

@@ -34,7 +34,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="padded tokens of one batched prefill forward (a longer single prompt still runs alone)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    # One thread by default: measured fastest for the small models this engine serves, by far on a
+    # machine shared with the trainer or other jobs (benchmarks/results/serve_threads.json).
+    p.add_argument("--num-threads", type=int, default=1, metavar="N",
+                   help="torch CPU threads of the engine (default 1: fastest for small models, measured in "
+                   "benchmarks/serve_threads.py; raise it for a large model on idle cores; 0 = torch's choice, "
+                   "one per core)")
     p.add_argument(
         "--return-original-logprob", action="store_true",
         help="report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs",
