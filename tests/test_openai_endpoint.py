@@ -308,3 +308,30 @@ async def test_unsupported_requests_are_refused_naming_the_field(server: Endpoin
         await c.close()
     assert e.value.param == param, e.value.message
     assert eng.outputs == []
+
+
+async def test_tool_choice_none_and_injected_turns(server: EndpointServer) -> None:
+    eng = ScriptedEngine(CALL, ANSWER)
+    rec = recorder(eng)
+    with server.open(rec) as route:
+        c = client(route)
+        r1 = await c.chat.completions.create(model="m", messages=[USER], tools=[CALCULATOR_TOOL], tool_choice="none")
+        # Not parsed: the call stays text, and the turn is an ordinary answer.
+        assert r1.choices[0].finish_reason == "stop" and not r1.choices[0].message.tool_calls
+        assert "<tool_call>" in (r1.choices[0].message.content or "")
+        # New messages may include an assistant turn the agent wrote itself (a few-shot hint): it was
+        # not sampled, so it is part of the mask-0 delta; the conversation still extends segment 0.
+        sent = r1.choices[0].message.model_dump(exclude_none=True)
+        more = [USER, sent, {"role": "user", "content": "Use the tool."},
+                {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Go on."}]
+        r2 = await c.chat.completions.create(model="m", messages=more, tools=[CALCULATOR_TOOL], tool_choice="none")
+        assert r2.agentloop["segment"] == 0  # type: ignore[attr-defined]
+        await c.close()
+    traj = rec.trajectory()
+    assert not traj.segments and traj.num_turns == 2 and traj.tool_calls == 0
+    buf = TokenBuffer(tokenizer(), [USER], [CALCULATOR_TOOL])
+    buf.append_model_turn(eng.outputs[0])
+    buf.append_messages(more[2:])
+    assert eng.inputs[1] == buf.ids  # the injected assistant turn is in the delta, with mask 0
+    first, second = traj.turns
+    assert traj.response_mask[first.start + first.length: second.start] == [0] * (second.start - first.start - first.length)
