@@ -125,3 +125,34 @@ async def test_a_filter_that_raises_keeps_the_group_and_is_counted() -> None:
     res = await sched.run([prompt("p0", [1.0, 1.0])])
     assert [t.uid for t in res.trajectories] == ["p0_0", "p0_1"]
     assert res.metrics["group_filter_errors"] == 1
+
+
+def test_runtime_steps_with_equal_rewards_sample_on_and_report_it() -> None:
+    """Through `Runtime.step` (2 steps, each a full wake/sleep): a step whose groups all tie keeps drawing
+    prompts from `more_samples` until the budget and says so; the next step, with informative prompts in the
+    source, stops at target_groups accepted groups. The batch, ragged form and trainable mask hold only
+    accepted groups; the rejected trajectories are on the result."""
+    import types
+
+    from agentloop.runtime import Runtime
+
+    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2)
+    cfg = {"scheduler": {"n": 2, "target_groups": 2, "group_filter": "drop_zero_variance", "group_budget": 6}}
+    with Runtime(cfg, clients=[FakeEngine("http://a")], tokenizer=tok, tools=object(), reward_fn=scripted_reward) as rt:
+        tied = (prompt(f"t{k}", [1.0, 1.0]) for k in range(100))
+        res = rt.step_sync([prompt("a", [0.0, 0.0])], more_samples=tied)
+        m = res.metrics
+        assert (m["groups_sampled"], m["groups_accepted"], m["groups_rejected"]) == (6, 0, 6)
+        assert m["budget_exhausted"] is True and m["groups_budget_exhausted"] == 2
+        assert res.trajectories == [] and len(res.rejected) == 12 and res.batch["input_ids"].shape[0] == 0
+        assert res.ragged["response_ids"] == []
+
+        mixed = iter([prompt("b0", [1.0, 1.0]), prompt("b1", [0.0, 1.0]), prompt("b2", [1.0, 0.0]), prompt("b3", [0.0, 1.0])])
+        res = rt.step_sync([prompt("b", [2.0, 2.0])], more_samples=mixed)
+        m = res.metrics
+        assert m["groups_accepted"] == 2 and m["budget_exhausted"] is False and m["groups_budget_exhausted"] == 0
+        assert sorted({t.group_id for t in res.trajectories}) == ["b1", "b2"]
+        assert res.batch["trainable"].tolist() == [1, 1, 1, 1]
+        assert res.ragged["group_ids"] == [t.group_id for t in res.trajectories]
+        assert res.ragged["response_ids"] == [t.response_ids for t in res.trajectories]
+        assert rt.steps_done == 2 and rt.lifecycle.generations_outside_awake == 0
