@@ -36,6 +36,15 @@ def code_blocks() -> list[tuple[str, str, str | None]]:
 
 BLOCKS = code_blocks()
 
+#: Packages of optional extras a doc block may import (module -> extra): without them the block is skipped.
+OPTIONAL_EXTRAS = {"verl": "verl", "trl": "trl", "datasets": "trl"}
+
+
+def _top_level_modules(imports: list[ast.stmt]) -> set[str]:
+    names = {a.name for node in imports if isinstance(node, ast.Import) for a in node.names}
+    names |= {node.module for node in imports if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    return {n.split(".")[0] for n in names}
+
 
 def test_the_docs_have_python_blocks() -> None:
     assert any(where.startswith("README.md:") for where, _, _ in BLOCKS)
@@ -49,6 +58,8 @@ def test_the_docs_have_python_blocks() -> None:
 def test_python_block_is_a_working_program(where: str, code: str, reason: str | None, tmp_path: Path) -> None:
     tree = compile(code, where, "exec", ast.PyCF_ONLY_AST)  # a SyntaxError names the doc and line
     imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    for name in _top_level_modules(imports) & OPTIONAL_EXTRAS.keys():  # a block for an extra that is not installed
+        pytest.importorskip(name, reason=f"{where} needs the {OPTIONAL_EXTRAS[name]!r} extra")
     exec(compile(ast.Module(body=imports, type_ignores=[]), where, "exec"), {})  # every import resolves
     if reason is not None:
         return
