@@ -1,4 +1,4 @@
-"""Trajectories → the padded tensor batch a PPO/GRPO trainer consumes (DESIGN.md's data contract).
+"""Trajectories → the padded tensor batch a PPO/GRPO trainer consumes (the data contract of `RolloutBatch`).
 
 This module owns collation only. Layout, for B trajectories, P = longest prompt, R = longest
 response (or the `pad_to` lengths):

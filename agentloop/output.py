@@ -4,7 +4,7 @@
   `step`), streamed as trajectories finish: each is one `write` of a whole line, flushed, into
   `trajectories.jsonl.partial`, renamed to `trajectories.jsonl` when the run ends (also on Ctrl-C).
   A hard kill therefore leaves a file named `.partial` holding only whole lines.
-- `trajectories.parquet`: the same trajectories, one row each, DESIGN.md's fields plus `turn_rewards`
+- `trajectories.parquet`: the same trajectories, one row each, the `Trajectory` fields plus `turn_rewards`
   and the readable `messages` as a list of structs (`MESSAGE_FIELDS`: role, content, name,
   tool_call_id, tool_calls as JSON text of the OpenAI list, and any other keys as JSON text), written
   once at the end. `message_from_parquet` turns a stored message back into its chat dict.

@@ -77,7 +77,7 @@ def resolve_engine(engine: str) -> str:
     if engine == "auto":
         return "sglang" if sglang_available() else "cpu"
     if engine == "sglang" and not sglang_available():
-        raise SystemExit("--engine sglang needs a CUDA GPU and sglang installed (source shared/gpu/install_on_device.sh)")
+        raise SystemExit("--engine sglang needs a CUDA GPU and sglang installed (source tools/gpu/install_on_device.sh; docs/gpu.md)")
     return engine
 
 

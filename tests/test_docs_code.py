@@ -71,3 +71,18 @@ def test_python_block_is_a_working_program(where: str, code: str, reason: str | 
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, f"{where} failed as pasted:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def test_the_repo_cites_no_file_outside_it() -> None:
+    """Code and docs point only at files a reader of the repository has (the GPU recipe is docs/gpu.md
+    with its scripts in tools/gpu/, the recorded SGLang responses are in tests/fixtures/)."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    outside = re.compile(r"shared/gpu|shared/DESIGN|shared/sglang-api|\bDESIGN\.md")
+    hits = []
+    for name in files:
+        if not name.endswith((".py", ".md", ".sh", ".yaml", ".toml")) or name == "tests/test_docs_code.py":
+            continue
+        for n, line in enumerate((REPO / name).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if outside.search(line):
+                hits.append(f"{name}:{n}: {line.strip()[:100]}")
+    assert hits == [], "\n".join(hits)

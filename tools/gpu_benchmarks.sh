@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The three rollout benchmarks against real SGLang on one GPU: one server, three benchmark processes.
 #
-# On the GPU host, from the repo root, with .whl/ and shared/gpu/ present (see shared/gpu/README.md;
+# On the GPU host, from the repo root, with .whl/ staged (see docs/gpu.md;
 # .gpu-out/jitcache.tgz from an earlier run saves SGLang's ~80 s cold kernel compile):
 #     bash tools/gpu_benchmarks.sh OUTDIR
-# 1. installs sglang (shared/gpu/install_on_device.sh);
-# 2. writes a Qwen2.5-0.5B-shaped config.json (shared/gpu/qwen2_dummy.py) — nothing is downloaded;
+# 1. installs sglang (tools/gpu/install_on_device.sh);
+# 2. writes a Qwen2.5-0.5B-shaped config.json (tools/gpu/qwen2_dummy.py) — nothing is downloaded;
 # 3. launches `sglang.launch_server --load-format dummy` with agentloop's own launch flags
 #    (agentloop.engine.launch.SGLangLaunchConfig: memory saver, skip-tokenizer-init, triton attention,
 #    decode CUDA graphs up to batch 64) in its own process group;
@@ -45,7 +45,7 @@ DRYRUN=${BENCH_DRYRUN:-0}  # 1: the CPU engine on a small random model stands in
 if [ "$DRYRUN" = 1 ]; then
   echo "DRY RUN: CPU engine instead of SGLang; these are not GPU results" >> "$LOG"
 else
-  source shared/gpu/install_on_device.sh >> "$LOG" 2>&1 || { tail -20 "$LOG"; echo "install failed"; exit 1; }
+  source tools/gpu/install_on_device.sh >> "$LOG" 2>&1 || { tail -20 "$LOG"; echo "install failed"; exit 1; }
   say "installed"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -63,7 +63,7 @@ if [ "$DRYRUN" = 1 ]; then
   ARGV="python3 -m agentloop.cli serve --model $MODEL --port $PORT --num-threads 1 --max-running-requests 256"
   READY="serving on"
 else
-python3 -c "import sys; sys.path.insert(0, 'shared/gpu'); from qwen2_dummy import write_model_dir; write_model_dir('$MODEL')" \
+python3 -c "import sys; sys.path.insert(0, 'tools/gpu'); from qwen2_dummy import write_model_dir; write_model_dir('$MODEL')" \
   || { echo "could not write the model config" | tee -a "$LOG"; exit 1; }
 ARGV=$(python3 -c "
 import shlex

@@ -2,7 +2,7 @@
 # examples/grpo_gpu.py on one GPU, both modes in one device call: the tiny-model learning run, then the
 # real-size (Qwen2.5-0.5B shape) memory run with its no-sleep probe.
 #
-# On the GPU host, from the repo root, after `source shared/gpu/install_on_device.sh || exit 1`:
+# On the GPU host, from the repo root, after `source tools/gpu/install_on_device.sh || exit 1`:
 #     bash tools/gpu_grpo.sh OUTDIR
 # GRPO_DRYRUN=1 runs the same with the CPU engine standing in for SGLang (tiny sizes; not GPU results).
 # Then, if GRPO_TOOLTEST_MIN (110) seconds of GRPO_BUDGET (540, counted from this script's start) are left,

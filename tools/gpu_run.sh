@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run of agentloop against real SGLang: install, run tests/gpu, run extra commands, collect.
 #
-# On the GPU host, from the repo root, with .whl/ and shared/gpu/ present (see shared/gpu/README.md;
+# On the GPU host, from the repo root, with .whl/ staged (see docs/gpu.md;
 # .gpu-out/jitcache.tgz from an earlier run is restored by install_on_device.sh when present):
 #     bash tools/gpu_run.sh OUTDIR [EXTRA_COMMAND ...]
 # Each EXTRA_COMMAND is one shell command string run after the tests with the same environment, e.g.
@@ -34,7 +34,7 @@ since() { echo "+$(( $(date +%s) - T0 ))s"; }
   nproc; free -g | head -2
 } > "$OUTDIR/env.txt" 2>&1
 
-source shared/gpu/install_on_device.sh >> "$OUTDIR/env.txt" 2>&1 || { cat "$OUTDIR/env.txt"; echo "install failed"; exit 1; }
+source tools/gpu/install_on_device.sh >> "$OUTDIR/env.txt" 2>&1 || { cat "$OUTDIR/env.txt"; echo "install failed"; exit 1; }
 echo "installed $(since)"; tail -1 "$OUTDIR/env.txt"
 # agentloop from this checkout, no install needed; keep NVLink multicast off (shared host rule)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"

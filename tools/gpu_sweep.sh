@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark sweep of issue 16 in one device call, most important parts first, under a time budget.
 #
-# On the GPU host, from the repo root, after `source shared/gpu/install_on_device.sh || exit 1`:
+# On the GPU host, from the repo root, after `source tools/gpu/install_on_device.sh || exit 1`:
 #     bash tools/gpu_sweep.sh OUTDIR
 # One SGLang server (Qwen2.5-0.5B shape, --load-format dummy, memory saver, decode CUDA graphs up to
 # batch SWEEP_MAX_BS=256, i.e. sized to the largest concurrency) serves, in this order:

@@ -3,7 +3,8 @@
 Everything above `agentloop.engine` talks to engines through `EngineClient`; the SGLang HTTP
 client (`sglang.py`) implements it, and because the CPU reference engine (`local/`) serves the same
 HTTP endpoints, that one client drives both. Data types here are the request/response contracts
-(field names follow SGLang's `io_struct.py` and the real responses in `shared/gpu/samples`).
+(field names follow SGLang's `io_struct.py` and the real responses recorded in
+`tests/fixtures/sglang_http_samples.json`).
 
 Nothing here may be called for generation directly by agent code: generation goes through
 `agentloop.engine.lifecycle.Lifecycle`, whose gate guarantees the engine is AWAKE.

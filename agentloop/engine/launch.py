@@ -8,7 +8,7 @@ readiness, logs and shutdown. Also wraps servers that already run elsewhere (`SG
 Readiness is `/model_info` answering 200 plus, for a server we launched, SGLang's own log line
 "The server is fired up and ready to roll!" (written after its warm-up generate). `/health` is never
 polled here: on SGLang it runs a generate, and a generate that reaches a released server crashes it
-(`shared/gpu/README.md`); only `Lifecycle.health` may send one, and only while AWAKE.
+(`docs/gpu.md`); only `Lifecycle.health` may send one, and only while AWAKE.
 
 `write_dummy_model` writes a model folder holding only a `config.json` of a real model's shape, for
 `--load-format dummy` servers (random weights, real speed and memory; benchmarks and GPU tests).

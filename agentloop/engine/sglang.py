@@ -1,8 +1,8 @@
 """The SGLang HTTP client: `EngineClient` over aiohttp, for real `sglang.launch_server` and the CPU engine.
 
 Owns the wire protocol of one server: endpoint paths, request bodies and response shapes exactly as
-SGLang 0.5.17 speaks them (see `shared/sglang-api.md` and the recorded responses in
-`shared/gpu/samples/http_samples.json`):
+SGLang 0.5.17 speaks them (see the recorded responses in
+`tests/fixtures/sglang_http_samples.json` and `docs/gpu.md`):
 
 - `/release_memory_occupation`, `/resume_memory_occupation` answer 200 with body `null`;
   `/abort_request` answers an empty 200; `/flush_cache` answers text (400 while requests run, which

@@ -1,7 +1,7 @@
 """The CPU reference engine's HTTP server (aiohttp.web), speaking SGLang's endpoints and JSON.
 
 Endpoints, methods and payloads follow sglang 0.5.17's `entrypoints/http_server.py` and the real
-responses in `shared/gpu/samples/http_samples.json` (`--skip-tokenizer-init`): token ids in and
+responses in `tests/fixtures/sglang_http_samples.json` (`--skip-tokenizer-init`): token ids in and
 out, no `text`. `/generate` lives in `generate_api.py`, error bodies in `http_common.py`; this module
 has the control, memory, weight and info endpoints, the app and `run` (for `agentloop serve`).
 Client errors get 4xx with SGLang's body (weight updates: `{"success": false, "message": ...}`) and
