@@ -253,7 +253,7 @@ class _FakeRuntime:
                                index_in_group=m.index_in_group)
                 done.append(t)
                 await on_trajectory(t)
-        return SimpleNamespace(trajectories=done, carry_over=carry, metrics={"rollout_seconds": 0.01})
+        return SimpleNamespace(trajectories=done, carry_over=carry, rejected=[], metrics={"rollout_seconds": 0.01})
 
 
 def test_rollout_over_samples_target_groups_and_carries_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

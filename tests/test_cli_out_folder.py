@@ -81,7 +81,7 @@ class _InterruptedRuntime(_FakeRuntime):
         partial = Trajectory(uid=f"{jobs[3].group_id}_1", group_id=jobs[3].group_id, prompt_ids=[1],
                              index_in_group=1, status="aborted")
         carry = [dataclasses.replace(jobs[3], resume_from=partial), *jobs[4:]]
-        return SimpleNamespace(trajectories=done, carry_over=carry, metrics={"rollout_seconds": 0.01})
+        return SimpleNamespace(trajectories=done, carry_over=carry, rejected=[], metrics={"rollout_seconds": 0.01})
 
     @property
     def scheduler(self):  # noqa: ANN201

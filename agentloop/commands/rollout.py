@@ -178,6 +178,9 @@ async def _run_steps(run: _CommandRun) -> None:
             for t in result.trajectories:
                 if id(t) not in seen:
                     await done(t)
+            for t in result.rejected:  # groups the group filter turned away: written, and marked
+                t.extra["group_filter"] = "rejected"
+                await done(t)
             if step == cfg.steps or run.interrupted or run.write_errors:
                 # Partial trajectories of unfinished groups would be continued next step; there is
                 # none, so they are written as they are (aborted) rather than dropped.
