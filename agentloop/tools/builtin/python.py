@@ -159,6 +159,7 @@ class PythonTool(Tool):
         self.warm_sandboxes = int(warm_sandboxes)
         self.warm_idle_seconds = int(warm_idle_seconds)
         self._pool: RunVar[WarmPool] = RunVar(f"python_tool_pool_{id(self)}")
+        self._kernel_argv: list[str] | None = None
         if sandbox == "unsafe_subprocess":
             logger.warning(
                 "python tool: sandbox=unsafe_subprocess — model-written code runs in a plain subprocess WITHOUT "
@@ -267,12 +268,13 @@ class PythonTool(Tool):
             return _kernel_command(self.python, readable=self.readable_paths, site_packages=self.allow_site_packages,
                                    scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[marshal.dumps(cfg).hex()])
 
-        try:
-            cmd = await anyio.to_thread.run_sync(command)
-        except SandboxUnavailable as e:
-            logger.error("%s", e)
-            raise
-        return await start_sandboxed(cmd, env={}, cwd="/", bwrap=True)
+        if self._kernel_argv is None:  # the same for every call of this tool: built (and probed) once
+            try:
+                self._kernel_argv = await anyio.to_thread.run_sync(command)
+            except SandboxUnavailable as e:
+                logger.error("%s", e)
+                raise
+        return await start_sandboxed(self._kernel_argv, env={}, cwd="/", bwrap=True)
 
     async def _run_kernel(self, code: str) -> SandboxOutput:
         pool = self._warm_pool()
