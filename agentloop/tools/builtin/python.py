@@ -274,7 +274,7 @@ class PythonTool(Tool):
             except SandboxUnavailable as e:
                 logger.error("%s", e)
                 raise
-        return await start_sandboxed(self._kernel_argv, env={}, cwd="/", bwrap=True)
+        return await start_sandboxed(self._kernel_argv, env={}, cwd="/")
 
     async def _run_kernel(self, code: str) -> SandboxOutput:
         pool = self._warm_pool()

@@ -25,7 +25,8 @@ other than 0 — and refuses to run the code otherwise — before it runs the co
 
 Everything dies with the call: bubblewrap's PID 1 exits when the interpreter exits, which kills every
 other process of the PID namespace; killing bubblewrap (timeout, cancellation) kills PID 1
-(`--die-with-parent`).
+(`--die-with-parent`); the tool returns once every process holding the sandbox's stdout/stderr is gone
+(`process.kill_process`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from anyio.abc import Process
 
 __all__ = ["SandboxOutput", "Sandboxed", "WarmPool", "communicate", "kill_process", "run_sandboxed", "start_sandboxed"]
 
-# How long the kill waits for the sandbox's PID 1 (and so every process in it) to be gone.
-PID1_EXIT_SECONDS = 10.0
+# How long a kill waits for the processes of a sandbox to be gone (they are SIGKILLed: moments).
+EXIT_WAIT_SECONDS = 10.0
 
 
 @dataclass
@@ -60,53 +60,42 @@ def _kill_group(pid: int) -> None:
 
 @dataclass
 class Sandboxed:
-    """A started sandbox process. `alive_fd`: read end of a pipe whose write end only the sandbox's PID 1
-    holds (bubblewrap `--sync-fd`); it reads EOF once PID 1 is gone, which the kernel lets happen only
-    after every other process of the PID namespace has died."""
+    """A started sandbox process (bubblewrap, or the interpreter itself in the unsafe mode)."""
 
     proc: Process
-    alive_fd: int | None = None
 
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode
 
 
-async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str, bwrap: bool = False) -> Sandboxed:
-    """Start `cmd` in a new session (its process group is what gets killed). With `bwrap` (cmd[0] is
-    bubblewrap), also hand it a `--sync-fd` so that `kill_process` can wait until the whole sandbox is
-    gone. Raises OSError if it cannot start."""
-    if not bwrap:
-        return Sandboxed(await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True))
-    r, w = os.pipe()
+async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str) -> Sandboxed:
+    """Start `cmd` in a new session (its process group is what gets killed). Raises OSError if it cannot start."""
+    return Sandboxed(await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True))
+
+
+async def _discard(stream: anyio.abc.ByteReceiveStream | None) -> None:
+    if stream is None:
+        return
     try:
-        cmd = [cmd[0], "--sync-fd", str(w), *cmd[1:]]
-        proc = await anyio.open_process(cmd, cwd=cwd, env=dict(env), start_new_session=True, pass_fds=[w])
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(w)
-    return Sandboxed(proc, r)
+        async for _ in stream:
+            pass
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
 
 
 async def kill_process(box: Sandboxed) -> None:
-    """SIGKILL the process group, reap the process and, for a bubblewrap sandbox, wait until every process
-    in it has died (shielded: runs even while being cancelled)."""
+    """SIGKILL the process group, wait until every process that holds the child's stdout/stderr is gone
+    (for a bubblewrap sandbox: its PID 1 and everything in the PID namespace, which the kernel kills when
+    PID 1 dies — `--die-with-parent`), then reap the child. Shielded: runs even while being cancelled."""
     with anyio.CancelScope(shield=True):
-        _kill_group(box.proc.pid)  # bubblewrap's PID 1 gets SIGKILL from --die-with-parent
+        _kill_group(box.proc.pid)
+        with anyio.move_on_after(EXIT_WAIT_SECONDS):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_discard, box.proc.stdout)
+                tg.start_soon(_discard, box.proc.stderr)
         await box.proc.wait()
         await box.proc.aclose()
-        if box.alive_fd is not None:
-            fd, box.alive_fd = box.alive_fd, None
-            try:
-                with anyio.move_on_after(PID1_EXIT_SECONDS):
-                    while True:  # nothing is ever written: readable means EOF
-                        await anyio.wait_readable(fd)
-                        if not os.read(fd, 1):
-                            break
-            finally:
-                os.close(fd)
 
 
 async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_output_bytes: int) -> SandboxOutput:
