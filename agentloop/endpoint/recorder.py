@@ -158,7 +158,9 @@ class TrajectoryRecorder:
         keys = [message_key(m) for m in messages]
         tools_key = json.dumps(tools, sort_keys=True, default=str)
         reason = "history_rewritten"
-        ordered = sorted(self.segments, key=lambda s: s is not self.current)  # the last call's segment first
+        # The longest held conversation first (the most sampled tokens reused as they are), then the
+        # last call's segment.
+        ordered = sorted(self.segments, key=lambda s: (-len(s.keys), s is not self.current))
         for seg in ordered:
             n = len(seg.keys)
             if keys[:n] != seg.keys:
