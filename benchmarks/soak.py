@@ -78,8 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--server-faults", action=argparse.BooleanOptionalAction, default=True,
                    help="kill/restart and pause the second server mid-step")
     p.add_argument("--tool-timeout", type=float, default=1.0)
-    p.add_argument("--trajectory-timeout", type=float, default=30.0)
-    p.add_argument("--request-timeout", type=float, default=8.0)
+    p.add_argument("--trajectory-timeout", type=float, default=60.0)
+    p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--sample-every", type=float, default=0.5)
     args = p.parse_args(argv)
     if args.smoke:

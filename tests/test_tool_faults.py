@@ -311,3 +311,28 @@ async def test_a_trajectory_with_a_3000_deep_call_gets_a_clear_error_turn_and_go
     assert traj.status == "completed", traj.error
     tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert tool_msgs == ["Error: could not parse tool call: tool call JSON is nested too deeply (more than 64 levels)"]
+
+
+async def test_an_abandoned_endless_sync_stream_stops_producing() -> None:
+    """A plain generator cannot be cancelled inside its thread: the closed sink stops it at its next
+    piece, so an endless stream does not burn a CPU (and the GIL) for ever after its timeout."""
+    from agentloop.tools.call_thread import abandoned_calls
+
+    produced = {"n": 0}
+
+    class Endless(CalculatorTool):
+        def execute(self, arguments: dict[str, Any], context: ToolContext):  # type: ignore[override]
+            def gen():
+                while True:
+                    produced["n"] += 1
+                    yield "z" * 1000
+            return gen()
+
+    res = await ToolRegistry([Endless()]).execute_calls([_call()], context=_ctx(), timeout=0.3, max_parallel=1)
+    assert res[0].error_kind == "timeout" and "its output so far" in res[0].content
+    seen = produced["n"]
+    with anyio.fail_after(10):
+        while abandoned_calls():
+            await anyio.sleep(0.05)
+    await anyio.sleep(0.2)
+    assert produced["n"] <= seen + 1  # stopped at the piece after the timeout

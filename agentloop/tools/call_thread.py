@@ -106,9 +106,11 @@ class _ThreadCall:
 CANCEL_GRACE = 1.0
 
 
-async def run_in_thread(work: Work, *, timeout: float, name: str = "") -> Outcome:
+async def run_in_thread(work: Work, *, timeout: float, name: str = "",
+                        on_abandon: Callable[[], None] | None = None) -> Outcome:
     """Run `await work()` on its own event loop in a daemon thread, waiting at most `timeout` seconds
-    (plus `CANCEL_GRACE` for a cancelled call to clean up)."""
+    (plus `CANCEL_GRACE` for a cancelled call to clean up). `on_abandon` is called when the call is
+    given up on (e.g. to make its output sink refuse more pieces)."""
     call = _ThreadCall(work, name)
     call.start()
     try:
@@ -116,6 +118,8 @@ async def run_in_thread(work: Work, *, timeout: float, name: str = "") -> Outcom
             await call.done.wait()
     finally:
         if not call.done.is_set():  # timed out, or the runtime cancelled this wait
+            if on_abandon is not None:
+                on_abandon()
             call.abandon()
     if call.done.is_set() and not call.abandoned:
         return Outcome(error=call.error)

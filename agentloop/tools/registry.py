@@ -329,10 +329,13 @@ class ToolRegistry:
             await _collect(out, sink, name)  # type: ignore[arg-type]
 
         t0 = time.monotonic()
-        if getattr(tool, "runs_on_event_loop", False):
-            outcome = await run_on_loop(work, timeout=timeout)
-        else:
-            outcome = await run_in_thread(work, timeout=timeout, name=name or "")
+        try:
+            if getattr(tool, "runs_on_event_loop", False):
+                outcome = await run_on_loop(work, timeout=timeout)
+            else:
+                outcome = await run_in_thread(work, timeout=timeout, name=name or "", on_abandon=sink.close)
+        finally:
+            sink.close()  # an abandoned producer stops at its next piece (time bound on output)
         seconds = time.monotonic() - t0
 
         def error(text: str, kind: ErrorKind) -> ToolResult:

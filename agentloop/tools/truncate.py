@@ -23,7 +23,7 @@ DEFAULT_MARKER = "...(truncated {n} {unit})..."
 DEFAULT_MAX_BYTES = 16384
 
 __all__ = ["truncate_by_tokens", "count_tokens", "render_marker", "check_marker", "BoundedText",
-           "DEFAULT_MARKER", "DEFAULT_MAX_BYTES", "Side", "SIDES"]
+           "DEFAULT_MARKER", "DEFAULT_MAX_BYTES", "OutputClosed", "Side", "SIDES"]
 
 
 def render_marker(marker: str, n: int | str, unit: str) -> str:
@@ -59,12 +59,17 @@ def _tail_bytes(text: str, limit: int) -> str:
     return data[len(data) - limit:].decode("utf-8", "ignore") if len(data) > limit else data.decode("utf-8")
 
 
+class OutputClosed(Exception):
+    """Raised into a producer that feeds a `BoundedText` after it was closed (its call was abandoned)."""
+
+
 class BoundedText:
     """Collects a tool's output piece by piece, keeping at most `max_bytes` UTF-8 bytes: the head
     (`side="right"` cuts the right), the tail (`"left"`) or half of each (`"middle"`). What is
     dropped is only counted. `full` says a head-only collector needs nothing more (a stream can be
     closed). Thread-safe: a call abandoned on timeout may still be writing while its partial text
-    is read."""
+    is read; `close()` makes its next `feed` raise `OutputClosed`, so a stream that never ends and
+    ignores cancellation still stops at its next piece."""
 
     def __init__(self, max_bytes: int, side: Side = "middle", marker: str = DEFAULT_MARKER) -> None:
         if max_bytes < 0:
@@ -80,7 +85,11 @@ class BoundedText:
         self._tail_bytes = 0
         self.dropped = 0
         self.stopped_early = False  # a stream was closed once full: more may have been coming
+        self.closed = False
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.closed = True
 
     @property
     def full(self) -> bool:
@@ -92,6 +101,8 @@ class BoundedText:
         return self.dropped > 0 or self.stopped_early
 
     def feed(self, piece: str) -> None:
+        if self.closed:
+            raise OutputClosed("the call was abandoned: its output is no longer read")
         with self._lock:
             room = self.head_cap - self._head_bytes
             if room > 0:
