@@ -208,24 +208,29 @@ async def test_a_sync_tool_returns_normally_from_its_thread() -> None:
     assert (res[0].ok, res[0].content) == (True, "sync 1 + 1")
 
 
+class CountingStream(CalculatorTool):
+    """A plain `def execute` returning an endless generator of `piece`; counts the pieces produced."""
+
+    def __init__(self, piece: str) -> None:
+        self.piece, self.produced = piece, 0
+
+    def execute(self, arguments: dict[str, Any], context: ToolContext):  # type: ignore[override]
+        def gen():
+            while True:
+                self.produced += 1
+                yield self.piece
+        return gen()
+
+
 async def test_output_is_bounded_while_produced_with_the_configured_limit_and_marker() -> None:
-    produced = {"pieces": 0}
-
-    class Stream(CalculatorTool):
-        def execute(self, arguments: dict[str, Any], context: ToolContext):  # type: ignore[override]
-            def gen():
-                while True:
-                    produced["pieces"] += 1
-                    yield "abcdefghij" * 100  # 1000 bytes
-            return gen()
-
-    reg = ToolRegistry([Stream()])
+    stream = CountingStream("abcdefghij" * 100)  # 1000 bytes a piece
+    reg = ToolRegistry([stream])
     res = await reg.execute_calls([_call()], context=_ctx(), timeout=5, max_parallel=1, truncate_side="right",
                                   max_result_bytes=2500, truncation_marker="[cut {n} {unit}]")
     # Head kept: the stream was read only until the limit was reached, then closed (not until timeout).
     assert res[0].ok and res[0].truncated
     assert res[0].content == ("abcdefghij" * 250) + "[cut 500+ bytes]"
-    assert produced["pieces"] == 3
+    assert stream.produced == 3
 
     class Big(CalculatorTool):
         async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
@@ -318,21 +323,12 @@ async def test_an_abandoned_endless_sync_stream_stops_producing() -> None:
     piece, so an endless stream does not burn a CPU (and the GIL) for ever after its timeout."""
     from agentloop.tools.call_thread import abandoned_calls
 
-    produced = {"n": 0}
-
-    class Endless(CalculatorTool):
-        def execute(self, arguments: dict[str, Any], context: ToolContext):  # type: ignore[override]
-            def gen():
-                while True:
-                    produced["n"] += 1
-                    yield "z" * 1000
-            return gen()
-
-    res = await ToolRegistry([Endless()]).execute_calls([_call()], context=_ctx(), timeout=0.3, max_parallel=1)
+    endless = CountingStream("z" * 1000)
+    res = await ToolRegistry([endless]).execute_calls([_call()], context=_ctx(), timeout=0.3, max_parallel=1)
     assert res[0].error_kind == "timeout" and "its output so far" in res[0].content
-    seen = produced["n"]
+    seen = endless.produced
     with anyio.fail_after(10):
         while abandoned_calls():
             await anyio.sleep(0.05)
     await anyio.sleep(0.2)
-    assert produced["n"] <= seen + 1  # stopped at the piece after the timeout
+    assert endless.produced <= seen + 1  # stopped at the piece after the timeout

@@ -309,10 +309,10 @@ def test_config_errors_name_the_entry_and_field(config, message):
 def test_yaml_file_errors_name_the_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("tools:\n  - class_name: [unclosed\n")
-    with pytest.raises(ToolConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ToolConfigError, match="bad.yaml:3:1: not valid YAML"):
         ToolRegistry.from_yaml(p)
     p.write_text("tools:\n  - config: {}\n")
-    with pytest.raises(ToolConfigError, match=r"bad.yaml: tools\[0\]\.class_name: required"):
+    with pytest.raises(ToolConfigError, match=r"bad.yaml:2: tools\[0\]\.class_name: required"):  # the entry's line
         ToolRegistry.from_yaml(p)
     with pytest.raises(ToolConfigError, match="cannot read tool config"):
         ToolRegistry.from_yaml(tmp_path / "missing.yaml")

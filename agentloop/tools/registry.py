@@ -394,31 +394,33 @@ def _as_text(value: Any, name: str | None) -> str:
     return text
 
 
+def _take(sink: BoundedText, piece: Any, name: str | None) -> bool:
+    """Feed one streamed piece; True when the sink wants no more (a head-only sink is full)."""
+    sink.feed(_as_text(piece, name))
+    sink.stopped_early = sink.full
+    return sink.full
+
+
 async def _collect(out: Any, sink: BoundedText, name: str | None) -> None:
     """Feed a tool's result into `sink`: a text (or anything `str()` turns into one), or a stream of
-    pieces (a sync or async iterator), read only until the sink is full (head-only) or it ends."""
+    pieces (a sync or async iterator), read only until the sink is full (head-only) or it ends, and
+    closed either way."""
     if isinstance(out, AsyncIterator):
         try:
             async for piece in out:
-                sink.feed(_as_text(piece, name))
-                if sink.full:
-                    sink.stopped_early = True
+                if _take(sink, piece, name):
                     break
         finally:
-            aclose = getattr(out, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if hasattr(out, "aclose"):
+                await out.aclose()
     elif isinstance(out, Iterator) and not isinstance(out, (str, bytes)):
         try:
             for piece in out:
-                sink.feed(_as_text(piece, name))
-                if sink.full:
-                    sink.stopped_early = True
+                if _take(sink, piece, name):
                     break
         finally:
-            close = getattr(out, "close", None)
-            if close is not None:
-                close()
+            if hasattr(out, "close"):
+                out.close()
     else:
         sink.feed(_as_text(out, name))
 
