@@ -279,3 +279,59 @@ def _objs(values: list) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     out[:] = values
     return out
+
+
+class RewardWorkerHandle:
+    """A reward-loop worker handle as verl's trainer passes it (`handle.compute_score.remote(data)`, awaited),
+    served by verl's own `NaiveRewardManager.run_single` (built per call: it binds the running event loop)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.seen: list[DataProto] = []
+        self.compute_score = self  # handle.compute_score.remote(...)
+
+    @staticmethod
+    def score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+        return float(solution_str.rstrip().endswith(f"The answer is {ground_truth}."))
+
+    def remote(self, data: DataProto):
+        from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+
+        self.seen.append(data)
+        return NaiveRewardManager(config=None, tokenizer=self.tokenizer, compute_score=self.score).run_single(data)
+
+
+def test_agent_loop_manager_scores_with_verls_reward_loop_workers(start_local_engine) -> None:
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from agentloop.integrations.verl import AgentLoopManager
+    from agentloop.models import tiny_tool_model
+    from agentloop.tasks.arithmetic import generate_questions
+
+    model = tiny_tool_model()
+    worker = RewardWorkerHandle(AutoTokenizer.from_pretrained(str(model)))
+    cfg = OmegaConf.create({"actor_rollout_ref": {
+        "model": {"path": str(model)},
+        "rollout": {"prompt_length": 256, "response_length": 192, "temperature": 1.0,
+                    "agent": {"agentloop": {"agent": {"max_new_tokens_per_turn": 48}}}}}})
+    manager = AgentLoopManager.create(config=cfg, llm_client=EngineLLMClient(start_local_engine(model)),
+                                      reward_loop_worker_handles=[worker])
+    qs = generate_questions(2, seed=7)
+    gen = DataProto.from_dict(non_tensors={
+        "raw_prompt": _objs([[{"role": "user", "content": q.question}] for q in qs]),
+        "reward_model": _objs([{"ground_truth": q.answer, "style": "rule"} for q in qs]),
+        "data_source": _objs(["arithmetic"] * 2), "uid": _objs(["p0", "p1"]),
+    }).repeat(2, interleave=True)
+    out = manager.generate_sequences(gen)
+    statuses = list(out.non_tensor_batch["agentloop_status"])
+    finished = [i for i, s in enumerate(statuses) if s in ("completed", "truncated")]
+    assert len(worker.seen) == len(finished) >= 3  # one reward-loop call per finished trajectory
+    for data in worker.seen:  # what verl's reward loop reads: unpadded tensors and the row's non-tensor fields
+        assert len(data) == 1 and {"prompts", "responses", "attention_mask"} <= set(data.batch.keys())
+        assert data.non_tensor_batch["reward_model"][0]["ground_truth"] in [q.answer for q in qs]
+    scores = out.batch["rm_scores"].sum(-1)
+    for i in finished:  # rm_scores holds what verl's reward manager computed on this row's response text
+        n = int(out.batch["attention_mask"][i, 256:].sum())
+        text = worker.tokenizer.decode(out.batch["responses"][i, :n].tolist(), skip_special_tokens=True)
+        assert float(scores[i]) == RewardWorkerHandle.score("arithmetic", text, qs[i // 2].answer)
