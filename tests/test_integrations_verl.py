@@ -335,3 +335,20 @@ def test_agent_loop_manager_scores_with_verls_reward_loop_workers(start_local_en
         n = int(out.batch["attention_mask"][i, 256:].sum())
         text = worker.tokenizer.decode(out.batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         assert float(scores[i]) == RewardWorkerHandle.score("arithmetic", text, qs[i // 2].answer)
+
+
+def test_drop_in_scores_a_failed_row_with_its_group_mean() -> None:
+    """The drop-in must keep verl's rows and uids: a failed row is masked and scored at its group's mean,
+    so verl's GRPO gives it advantage 0 and leaves the group's mean baseline as it was."""
+    from agentloop.integrations.verl_rollout import group_mean_filled_scores
+
+    ts = groups_with_failures()
+    scores = group_mean_filled_scores(ts)
+    assert scores[2] == pytest.approx(2 / 3) and scores[5] == pytest.approx(0.25)
+    rewards = torch.zeros(len(ts), 3)
+    rewards[:, -1] = torch.tensor(scores)
+    adv, _ = compute_grpo_outcome_advantage(token_level_rewards=rewards, response_mask=torch.ones(len(ts), 3),
+                                            index=np.array([t.group_id for t in ts], dtype=object))
+    assert abs(float(adv[2, 0])) < 1e-6 and abs(float(adv[5, 0])) < 1e-6
+    a = [0, 1, 3]
+    assert sum(float(adv[i, 0]) for i in a) == pytest.approx(0.0, abs=1e-5)
