@@ -490,3 +490,15 @@ def test_non_root_worker_chain():
     assert report["worker_uid"] == 65534
     lines = report["stdout"].splitlines()
     assert json.loads(lines[0]) == [1000, "0000000000000000", "1", "2"] and lines[1] == "PermissionError", report
+
+
+@pytest.mark.parametrize("dropped, reported", [("--unshare-net", "no network namespace of its own"),
+                                               ("--unshare-pid", "no PID namespace of its own")])
+async def test_a_missing_layer_is_refused_not_run(monkeypatch, dropped, reported):
+    """If the command line ever lost a namespace, the boot's self-check refuses to run the code."""
+    from agentloop.tools.builtin import python as python_mod
+
+    real = python_mod.sandbox_command
+    monkeypatch.setattr(python_mod, "sandbox_command", lambda *a, **kw: [x for x in real(*a, **kw) if x != dropped])
+    with pytest.raises(SandboxUnavailable, match=f"could not confirm its isolation.*{reported}"):
+        await PythonTool().run_code("print('ran')")

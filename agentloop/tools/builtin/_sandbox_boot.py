@@ -9,8 +9,9 @@ the kernel sandbox) and runs before any model code. In order, it:
    namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...) — irreversible, and
    inherited by every thread,
 4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
-   seccomp in filter mode, a user namespace whose uids are not host root — and exits with status 111
-   and a "sandbox-boot:" message instead of running the code when any of it does not hold,
+   seccomp in filter mode, a user namespace whose uids are not host root, a network namespace with
+   nothing but its loopback, a PID namespace of its own — and exits with status 111 and a
+   "sandbox-boot:" message instead of running the code when any of it does not hold,
 5. enters the scratch directory,
 6. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
    hold on their own), installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
@@ -307,6 +308,12 @@ def _check_isolation(seccomp):
         problems.append("uid 0 of the host is mapped into the sandbox (%s)" % maps)
     if os.getuid() == 0:
         problems.append("running as uid 0")
+    with open("/proc/self/net/dev") as f:
+        interfaces = [line.split(":")[0].strip() for line in f.readlines()[2:]]
+    if interfaces != ["lo"]:
+        problems.append("network interfaces %s (no network namespace of its own)" % interfaces)
+    if os.getpid() > 8:  # bubblewrap's PID 1, then this interpreter
+        problems.append("pid %d (no PID namespace of its own)" % os.getpid())
     if problems:
         _refuse("isolation check failed: " + "; ".join(problems))
 
