@@ -91,9 +91,14 @@ def header(name: str, script: str, argv: Sequence[str], args: argparse.Namespace
 
 
 def result_paths(args: argparse.Namespace, name: str) -> tuple[Path, Path]:
-    """JSON and PNG paths: `<out>/<name>[_<engine>][_smoke].json|png` (CPU and GPU results side by side)."""
-    stem = f"{name}_{args.engine}" + ("_smoke" if args.smoke else "")
+    """JSON and PNG paths: `<out>/<name>[_<engine>][_smoke].json|png` (CPU and GPU results side by side);
+    a `--smoke` run without its own `--out` writes to a fresh temporary folder."""
+    stem = f"{name}_{getattr(args, 'engine', 'cpu')}" + ("_smoke" if args.smoke else "")
     out = Path(args.out)
+    if args.smoke and out.resolve() == RESULTS.resolve():
+        # A smoke run only proves the benchmark runs: its files go to a temporary folder, never into
+        # the checkout's results (where they would sit untracked beside the real ones).
+        out = Path(tempfile.mkdtemp(prefix="agentloop-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     return out / f"{stem}.json", out / f"{stem}.png"
 

@@ -1,7 +1,7 @@
 """CPU engine throughput vs concurrency: does continuous batching make it rise?
 
-Starts `agentloop serve` (a `LocalEngineProcess` on a random-weight Qwen2 model, or `--url` of an
-engine already running), then for each concurrency c in 1, 2, 4, 8, 16 runs c closed-loop clients
+Starts `agentloop serve` (a `LocalEngineProcess` on a random-weight Qwen2 model, or `--engine-url` of
+an engine already running), then for each concurrency c in 1, 2, 4, 8, 16 runs c closed-loop clients
 that each send `--requests-per-client` greedy generates (`--prompt-len` tokens in,
 `--max-new-tokens` out, ignore_eos) through the lifecycle gate and the SGLang client. Reports
 output tokens per second (best of `--repeats`: the machine may be shared), per-request latency,
@@ -183,7 +183,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="an engine already running (default: start one)")
+    # --engine-url as in the other benchmarks; --url is kept as an alias.
+    p.add_argument("--engine-url", "--url", dest="url", default=None, help="an engine already running (default: start one)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)

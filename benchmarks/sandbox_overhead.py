@@ -29,6 +29,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,10 @@ def main() -> None:
         "kernel_warm_overhead_ms": round(modes["kernel_warm"]["median_ms"] - modes["bare_interpreter"]["median_ms"], 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("sandbox_overhead_smoke.json" if args.smoke else "sandbox_overhead.json")
+    out = args.out
+    if args.smoke and out == RESULTS:  # smoke files go to a temporary folder, never beside the real results
+        out = Path(tempfile.mkdtemp(prefix="agentloop-bench-"))
+    path = out / ("sandbox_overhead_smoke.json" if args.smoke else "sandbox_overhead.json")
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"modes": modes, "kernel_overhead_ms": report["kernel_overhead_ms"],
                       "load_average": report["hardware"].get("load_average_1_5_15min")}, indent=2))

@@ -178,7 +178,9 @@ def git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="a running engine (default: start one on a random model)")
+    # --engine-url as in the other benchmarks; --url is kept as an alias.
+    p.add_argument("--engine-url", "--url", dest="url", default=None,
+                   help="a running engine (default: start one on a random model)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, nargs="+", default=[1, 16, 64])
@@ -187,8 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--engine-threads", type=int, default=1)
-    p.add_argument("--out", default=str(RESULTS / "scheduler_overhead.json"))
+    p.add_argument("--out", default=None,
+                   help="JSON file (default: benchmarks/results/scheduler_overhead.json; --smoke: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="tiny configuration that only proves the benchmark runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.requests, args.gen_tokens, args.concurrency, args.repeats = 8, [1, 4], [4], 1
+    if args.out is None:
+        # A smoke run writes outside the checkout: it must not leave files in benchmarks/results/.
+        args.out = str(Path(tempfile.mkdtemp(prefix="agentloop-bench-")) / "scheduler_overhead_smoke.json"
+                       if args.smoke else RESULTS / "scheduler_overhead.json")
     load_before = os.getloadavg()
     measured = anyio.run(run, args)
     report = {

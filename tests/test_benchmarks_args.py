@@ -39,3 +39,31 @@ def test_help_shows_the_whole_first_paragraph(name: str, capsys: pytest.CaptureF
     help_text = " ".join(capsys.readouterr().out.split())
     first_paragraph = " ".join(mod.__doc__.split("\n\n")[0].split())
     assert first_paragraph in help_text
+
+
+@pytest.mark.parametrize("name", ["cpu_engine_batching", "scheduler_overhead", "rollout_throughput", "long_tail",
+                                  "lifecycle", "serve_threads"])
+def test_every_benchmark_takes_engine_url_or_runs_its_own(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--engine-url` is the one spelling across benchmarks (serve_threads starts its own engines by design);
+    the two that used `--url` keep it as an alias."""
+    mod = bench_module(name)
+    parse = getattr(mod, "parse_args", None)
+    with pytest.raises(SystemExit):
+        (parse or mod.main)(["--help"])
+    help_text = capsys.readouterr().out
+    assert ("--engine-url" in help_text) != (name == "serve_threads"), help_text
+    if name in ("cpu_engine_batching", "scheduler_overhead"):
+        assert "--url" in help_text
+
+
+def test_smoke_runs_write_outside_the_checkout(tmp_path: Path) -> None:
+    """Without --out, a `--smoke` run's files go to a temporary folder, not into benchmarks/results/."""
+    common = bench_module("_common")
+    args = common.benchmark_parser("x").parse_args(["--smoke"])
+    json_path, png_path = common.result_paths(args, "long_tail")
+    assert common.RESULTS.resolve() not in json_path.resolve().parents and json_path.name == "long_tail_cpu_smoke.json"
+    assert png_path.parent == json_path.parent
+    args = common.benchmark_parser("x").parse_args(["--smoke", "--out", str(tmp_path)])
+    assert common.result_paths(args, "long_tail")[0] == tmp_path / "long_tail_cpu_smoke.json"  # an explicit --out wins
+    real = common.benchmark_parser("x").parse_args([])
+    assert common.result_paths(real, "long_tail")[0] == common.RESULTS / "long_tail_cpu.json"
