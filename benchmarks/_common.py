@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import datetime as dt
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -355,6 +356,16 @@ def trainer_weights(engine: Engine, *, seed: int = 0) -> dict[str, Any]:
         else:
             out[name] = (torch.randn(tuple(p.shape), generator=g, device=dev) * 0.02).to(dtype)
     return out
+
+
+def versioned_weights(engine: Engine) -> Callable[[], Any]:
+    """`trainer_weights(engine)` built once; each call wraps them in a `Weights` with a new version (w1, w2, ...),
+    so every wake-up loads them as a trainer's new weights would be."""
+    from agentloop.engine.lifecycle import Weights
+
+    state_dict = trainer_weights(engine)
+    counter = itertools.count(1)
+    return lambda: Weights(state_dict=state_dict, version=f"w{next(counter)}")
 
 
 def weights_bytes(state_dict: dict[str, Any]) -> int:

@@ -40,7 +40,7 @@ from _common import (  # noqa: E402
     r4,
     run_benchmark,
     runtime_config,
-    trainer_weights,
+    versioned_weights,
 )
 
 from agentloop.engine.lifecycle import Weights  # noqa: E402
@@ -127,13 +127,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         out["engine"] = engine.description
         cfg = runtime_config(engine, argparse.Namespace(gen_max=args.gen_tokens, turns=args.turns),
                              concurrency=args.trajectories, per_server_concurrency=args.concurrency)
-        weights_sd = trainer_weights(engine)
-        version = 0
-
-        def weights() -> Weights:
-            nonlocal version
-            version += 1
-            return Weights(state_dict=weights_sd, version=f"w{version}")
+        weights = versioned_weights(engine)
 
         async with Runtime(cfg) as rt:
             assert rt.lifecycle is not None

@@ -56,7 +56,7 @@ from _common import (  # noqa: E402
     runtime_config,
     save_figure,
     title_suffix,
-    trainer_weights,
+    versioned_weights,
     warm_up_spec,
     workload_spec,
     workload_stats,
@@ -206,13 +206,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     out: dict[str, Any] = {"points": [], "runs": []}
     async with open_engine(args, max_running=max(256, max(args.concurrency))) as engine:
         out["engine"] = engine.description
-        weights_sd = trainer_weights(engine)
-        step = 0
-
-        def weights() -> Weights:
-            nonlocal step
-            step += 1
-            return Weights(state_dict=weights_sd, version=f"w{step}")
+        weights = versioned_weights(engine)
 
         specs = [workload_spec(args, trajectories=args.trajectories, tool_latency_dist=args.tool_latency_dist,
                                tool_latency_mean=lat)
