@@ -268,6 +268,7 @@ async def test_reads_restricted_to_scratch_and_python_library():
         out = await run(t, code)
         assert "sandbox:" in out and "refused" in out, out
     assert await run(t, "import json, decimal, zoneinfo; print(json.dumps({'a': 1}))") == '{"a": 1}'
+    assert await run(t, "import zoneinfo; print(zoneinfo.ZoneInfo('Europe/Paris').utcoffset(__import__('datetime').datetime(2024, 1, 1)))") == "1:00:00"
     assert await run(t, "import os; open(os.devnull, 'w').write('x'); print('ok')") == "ok"
     # restrict_reads=False lifts the hook's read check, but the host's files are still not in the sandbox
     assert "FileNotFoundError" in await run(PythonTool(restrict_reads=False), "print(open('/etc/passwd').read())")

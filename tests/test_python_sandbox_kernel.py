@@ -31,7 +31,7 @@ from agentloop.tools import ToolContext, ToolRegistry
 from agentloop.tools.builtin.python import PythonTool, _kernel_command
 from agentloop.tools.parsers import ToolCall
 from agentloop.tools.sandbox import SandboxUnavailable
-from agentloop.tools.sandbox.namespaces import find_host_tools
+from agentloop.tools.sandbox.namespaces import DATA_DIRS, find_host_tools
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -102,7 +102,7 @@ async def test_the_root_holds_only_what_the_interpreter_needs():
     """))
     interp = interpreter_files(sys.executable)
     helpers = find_host_tools(os.geteuid() == 0)
-    allowed_dirs = tuple(d + "/" for d in interp.stdlib)
+    allowed_dirs = tuple(d + "/" for d in [*interp.stdlib, *DATA_DIRS])
     allowed = {interp.executable, *interp.libraries, "/opt/agentloop/_sandbox_boot.py", "/dev/null", "/dev/zero",
                "/dev/full", "/dev/random", "/dev/urandom", helpers.setpriv, helpers.unshare, *helpers.libraries}
     files = json.loads(out.stdout)
@@ -394,7 +394,7 @@ import anyio, logging, seccompy, sys
 from agentloop.tools import ToolContext
 from agentloop.tools.builtin.python import PythonTool
 from agentloop.tools.sandbox import SandboxUnavailable
-from agentloop.tools.sandbox.namespaces import find_host_tools
+from agentloop.tools.sandbox.namespaces import DATA_DIRS, find_host_tools
 
 # This process can no longer create namespaces (as in a locked-down container): unshare and clone with
 # any CLONE_NEW* flag fail with EPERM; clone3 with ENOSYS so that glibc falls back to clone.

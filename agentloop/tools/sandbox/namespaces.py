@@ -42,7 +42,7 @@ from ..base import ToolError
 from .interpreter import InterpreterFiles, shared_libraries
 
 __all__ = [
-    "BOOT_DIR", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
+    "BOOT_DIR", "DATA_DIRS", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
     "find_host_tools", "sandbox_command",
 ]
 
@@ -51,6 +51,8 @@ BOOT_DIR = "/opt/agentloop"  # where the boot script is mounted inside
 INSIDE_UID = 1000
 HOST_UID_WHEN_ROOT = 65534
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# Public data the standard library reads: the time zone database (zoneinfo).
+DATA_DIRS = ("/usr/share/zoneinfo",)
 
 ENABLE_HINT = (
     "The python tool runs model-written code only inside Linux namespaces + seccomp. To enable that: "
@@ -126,6 +128,7 @@ def sandbox_command(
         ro += [(tools.setpriv, tools.setpriv), (tools.unshare, tools.unshare)]
         ro += [(lib, lib) for lib in tools.libraries]
     ro.append((boot, f"{BOOT_DIR}/_sandbox_boot.py"))
+    ro += [(os.path.realpath(d), d) for d in DATA_DIRS if os.path.isdir(d)]
     if site_packages:
         ro += [(d, d) for d in interp.site_packages]
     ro += [(os.path.realpath(p), os.path.realpath(p)) for p in readable]
