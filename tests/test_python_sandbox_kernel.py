@@ -460,7 +460,8 @@ from agentloop.tools.builtin.python import PythonTool
 async def main():
     code = ("import json, os; s = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\\n"
             "print(json.dumps([os.getuid(), s['CapEff'].strip(), s['NoNewPrivs'].strip(), s['Seccomp'].strip()]))\\n"
-            "try:\\n    os.fork()\\nexcept OSError as e:\\n    print(type(e).__name__)")
+            "try:\\n    os.fork()\\nexcept OSError as e:\\n    print(type(e).__name__)\\n"
+            "for p in ('/x', '/opt/agentloop/x'):\\n    try:\\n        open(p, 'w')\\n    except OSError as e:\\n        print(e.strerror)")
     out = await PythonTool(python=sys.executable, audit_hook=False).run_code(code)
     print(json.dumps({"worker_uid": os.geteuid(), "stdout": out.stdout, "stderr": out.stderr}))
 
@@ -490,15 +491,22 @@ def test_non_root_worker_chain():
     assert report["worker_uid"] == 65534
     lines = report["stdout"].splitlines()
     assert json.loads(lines[0]) == [1000, "0000000000000000", "1", "2"] and lines[1] == "PermissionError", report
+    assert lines[2:] == ["Read-only file system"] * 2  # the root (owned by the sandbox's uid here) is read-only
 
 
-@pytest.mark.parametrize("dropped, reported", [("--unshare-net", "no network namespace of its own"),
-                                               ("--unshare-pid", "no PID namespace of its own")])
+def _without(argv: list[str], dropped: list[str]) -> list[str]:
+    i = next(i for i in range(len(argv)) if argv[i:i + len(dropped)] == dropped)
+    return argv[:i] + argv[i + len(dropped):]
+
+
+@pytest.mark.parametrize("dropped, reported", [(["--unshare-net"], "no network namespace of its own"),
+                                               (["--unshare-pid"], "no PID namespace of its own"),
+                                               (["--remount-ro", "/"], "/ is mounted read-write")])
 async def test_a_missing_layer_is_refused_not_run(monkeypatch, dropped, reported):
-    """If the command line ever lost a namespace, the boot's self-check refuses to run the code."""
+    """If the command line ever lost a layer, the boot's self-check refuses to run the code."""
     from agentloop.tools.builtin import python as python_mod
 
     real = python_mod.sandbox_command
-    monkeypatch.setattr(python_mod, "sandbox_command", lambda *a, **kw: [x for x in real(*a, **kw) if x != dropped])
+    monkeypatch.setattr(python_mod, "sandbox_command", lambda *a, **kw: _without(real(*a, **kw), dropped))
     with pytest.raises(SandboxUnavailable, match=f"could not confirm its isolation.*{reported}"):
         await PythonTool().run_code("print('ran')")

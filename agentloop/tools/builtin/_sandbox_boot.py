@@ -10,7 +10,8 @@ the kernel sandbox) and runs before any model code. In order, it:
    inherited by every thread,
 4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
    seccomp in filter mode, a user namespace whose uids are not host root, a network namespace with
-   nothing but its loopback, a PID namespace of its own — and exits with status 111 and a
+   nothing but its loopback, a PID namespace of its own, a tmpfs root where only scratch, /proc and the
+   device nodes are mounted writable — and exits with status 111 and a
    "sandbox-boot:" message instead of running the code when any of it does not hold,
 5. enters the scratch directory,
 6. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
@@ -287,7 +288,7 @@ def _load_seccomp(program):
         del sys.modules[name]
 
 
-def _check_isolation(seccomp):
+def _check_isolation(seccomp, scratch):
     """What the kernel reports about this process; refuse to run the code unless it is isolated."""
     status = {}
     with open("/proc/self/status") as f:
@@ -314,6 +315,16 @@ def _check_isolation(seccomp):
         problems.append("network interfaces %s (no network namespace of its own)" % interfaces)
     if os.getpid() > 8:  # bubblewrap's PID 1, then this interpreter
         problems.append("pid %d (no PID namespace of its own)" % os.getpid())
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, fs = line.partition(" - ")
+            fields = fields.split()
+            where, options, fstype = fields[4], fields[5].split(","), fs.split()[0]
+            if where == "/" and fstype != "tmpfs":
+                problems.append("the root is the host's %s, not a minimal root" % fstype)
+            writable_ok = where in (scratch, "/proc") or where.startswith(("/proc/", "/dev/"))
+            if "rw" in options and not writable_ok:
+                problems.append("%s is mounted read-write" % where)
     if problems:
         _refuse("isolation check failed: " + "; ".join(problems))
 
@@ -348,7 +359,7 @@ def _main():
     if cfg.get("seccomp"):
         _load_seccomp(cfg["seccomp"])
     if cfg.get("require_isolation"):
-        _check_isolation(cfg.get("seccomp"))
+        _check_isolation(cfg.get("seccomp"), cfg["scratch"])
     scratch = os.path.realpath(cfg["scratch"])
     os.chdir(scratch)
     sys.path.extend(cfg.get("extra_paths", ()))

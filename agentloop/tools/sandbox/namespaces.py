@@ -159,11 +159,14 @@ def sandbox_command(
     for dest, src in binds.items():
         cmd += ["--ro-bind", src, dest]
     for d in hidden:
-        cmd += ["--perms", "0555", "--size", "4096", "--tmpfs", d]
+        cmd += ["--perms", "0555", "--size", "4096", "--tmpfs", d, "--remount-ro", d]
     for dev in DEVICES:
         cmd += ["--dev-bind", dev, dev]
     cmd += ["--proc", "/proc",
             "--perms", "0777" if root else "0700", "--size", str(scratch_bytes), "--tmpfs", SCRATCH,
+            # the root tmpfs and the directories made in it belong to the sandbox's uid when the worker
+            # is not root: read-only, so /tmp (a mount of its own) is the only place to write
+            "--remount-ro", "/",
             "--chdir", SCRATCH, "--"]
     if root:
         cmd += [tools.setpriv, f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}", "--clear-groups",
