@@ -104,21 +104,22 @@ def _rollout_window(records: Sequence[StageRecord]) -> float | None:
 
 
 async def _run_steps(run: _CommandRun) -> None:
-    from ..runtime import Runtime  # imported late: `agentloop config`/`--help` stay light
-
     cfg = run.cfg
     out = Path(cfg.out)
     urls = cfg.runtime.engine.urls
     where = f"attaching to {', '.join(urls)}" if urls else "starting the embedded CPU engine"
     rc = cfg.runtime.ray
+    # Said before the runtime's imports (torch, seconds on a small machine), so the run shows at once.
     if rc.enabled:
-        from ..distributed import RayRuntime  # Ray mode: the same step, run by worker and engine actors
-
         run.progress.message(f"starting Ray mode ({rc.address or 'a local Ray'}; {rc.num_workers} rollout workers), "
                              f"{where} ...")
+        from ..distributed import RayRuntime  # Ray mode: the same step, run by worker and engine actors
+
         runtime = run.runtime = RayRuntime(cfg.runtime)
     else:
         run.progress.message(f"{where} ...")
+        from ..runtime import Runtime  # imported late: `agentloop config`/`--help` stay light
+
         runtime = run.runtime = Runtime(cfg.runtime)
     try:
         await runtime.start()
@@ -228,6 +229,17 @@ def _step_summary(rec: _StepRecord) -> dict[str, Any]:
                           prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried))
 
 
+def _preload_output_modules() -> None:
+    """Only a head start: any failure shows again, with its real message, when the files are written."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+        from matplotlib.backends import backend_agg  # noqa: F401
+
+        from .. import timeline  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _finish_outputs(run: _CommandRun) -> list[Path]:
     """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
     if run.stream is None:
@@ -265,6 +277,10 @@ async def _main(run: _CommandRun) -> int:
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
         tg.start_soon(watch_signals, run, tg, work)
+        if run.cfg.timeline:
+            # The plotting and Parquet modules load in the background while the step waits on the
+            # engines, instead of after it, when the user is waiting for the files.
+            tg.start_soon(anyio.to_thread.run_sync, _preload_output_modules)
         with work:
             try:
                 await _run_steps(run)
