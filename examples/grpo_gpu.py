@@ -292,6 +292,47 @@ def reward_of(trajs: list[Trajectory]) -> float:
     return sum((t.reward or 0.0) for t in trajs) / len(trajs) if trajs else math.nan
 
 
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The run in a few figures (medians over the steps, peaks, first vs last steps), for the README."""
+    import statistics
+
+    steps = [s for s in report["steps"] if s.get("train_outcome") != "out_of_memory"]
+    if not steps:
+        return {"steps": 0}
+
+    def med(key: str) -> float | None:
+        xs = [s[key] for s in steps if s.get(key) is not None]
+        return round(statistics.median(xs), 4) if xs else None
+
+    def mem(key: str, agg: Any = statistics.median) -> float | None:
+        xs = [s["memory_gib"][key] for s in steps if s["memory_gib"].get(key) is not None]
+        return round(agg(xs), 3) if xs else None
+
+    k = max(1, min(5, len(steps) // 3))
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "seconds_median": {x: med(f"{x}_seconds") for x in ("wake_up", "rollout", "sleep", "train")},
+        "reward_first_steps_mean": round(statistics.fmean(s["reward_mean"] for s in steps[:k]), 4),
+        "reward_last_steps_mean": round(statistics.fmean(s["reward_mean"] for s in steps[-k:]), 4),
+        "reward_window_steps": k,
+        "logprob_abs_diff_mean_median": med("logprob_abs_diff_mean"),
+        "logprob_abs_diff_max_max": max((s.get("logprob_abs_diff_max") or 0.0) for s in steps),
+        "gpu_used_gib_awake_median": mem("after_wake_first_generate"),
+        "gpu_used_gib_asleep_median": mem("after_sleep"),
+        "gpu_used_gib_train_peak_max": mem("train_peak", max),
+        "trainer_peak_allocated_gib_max": mem("trainer_peak_allocated", max),
+        "generations_outside_awake": report.get("generations_outside_awake"),
+    }
+    for key in ("eval_before", "eval_after"):
+        if report.get(key):
+            out[f"{key}_reward"] = report[key]["reward_mean"]
+    probe = report.get("no_sleep_probe")
+    if probe:
+        out["no_sleep_probe"] = {k: probe.get(k) for k in ("outcome", "free_gib_for_the_trainer", "memory_engine_awake_gib",
+                                                           "trainer_peak_allocated_gib")}
+    return out
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -505,7 +546,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         timeline.stop()
         report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        report["summary"] = summarize(report)
         save()
+        print("summary: " + json.dumps(report["summary"]), flush=True)
         try:
             plot(report, png_path)
         except Exception as e:  # the JSON is the record; a plotting failure must not hide it

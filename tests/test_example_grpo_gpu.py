@@ -46,3 +46,7 @@ def test_grpo_gpu_example_two_steps_on_the_cpu_engine(tmp_path: Path) -> None:
         assert report[key]["questions"] == 2, report[key]
     assert report["eval_after"]["weight_version"] != report["eval_before"]["weight_version"]
     assert (tmp_path / "grpo_gpu_tiny.png").stat().st_size > 10_000
+    summary = report["summary"]
+    assert summary["steps"] == 2 and summary["generations_outside_awake"] == 0
+    assert summary["eval_before_reward"] == report["eval_before"]["reward_mean"]
+    assert summary["reward_last_steps_mean"] == steps[-1]["reward_mean"]  # a window of 1 step out of 2
