@@ -461,3 +461,8 @@ def test_config_errors():
         PythonTool(sandbox="none")
     with pytest.raises(ValueError, match="needs sandbox_fusion_url"):
         PythonTool(sandbox="sandbox_fusion")
+
+
+async def test_site_packages_only_when_allowed():
+    assert "ModuleNotFoundError: No module named 'yaml'" in await run(PythonTool(), "import yaml")
+    assert await run(PythonTool(allow_site_packages=True), "import yaml; print(yaml.safe_load('a: 1'))") == "{'a': 1}"
