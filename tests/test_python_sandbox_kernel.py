@@ -510,3 +510,16 @@ async def test_a_missing_layer_is_refused_not_run(monkeypatch, dropped, reported
     monkeypatch.setattr(python_mod, "sandbox_command", lambda *a, **kw: _without(real(*a, **kw), dropped))
     with pytest.raises(SandboxUnavailable, match=f"could not confirm its isolation.*{reported}"):
         await PythonTool().run_code("print('ran')")
+
+
+async def test_every_namespace_is_new():
+    kinds = ["user", "mnt", "pid", "net", "ipc", "uts", "cgroup"]
+    r = await attack(TRY + f"""
+for kind in {kinds!r}:
+    results[kind] = os.readlink("/proc/self/ns/" + kind)
+results["hostname"] = os.uname().nodename
+print(json.dumps(results))
+""")
+    assert r.pop("hostname") == "sandbox"
+    for kind in kinds:
+        assert r[kind] != os.readlink(f"/proc/self/ns/{kind}"), kind  # not the worker's namespace
