@@ -181,6 +181,7 @@ class _ScheduleRun:
         self.grouped = cfg.target_groups is not None or self.filter is not None
         self.more: Iterator[Sample] | None = iter(more_samples) if more_samples is not None else None
         self.rejected_groups = 0
+        self.uids: set[str] = set()  # every trajectory uid of this run (a drawn prompt must not reuse one)
         self.filter_errors = 0
         self.refill_stop = ""  # why drawing from more_samples stopped, if it did
         self.external_stop = False  # stopped from outside (a sleep), not by reaching the target
@@ -222,6 +223,7 @@ class _ScheduleRun:
         """Register group members (the step's samples, or a prompt drawn later); their indices."""
         first = len(self.jobs)
         self.jobs.extend(jobs)
+        self.uids.update(j.uid for j in jobs)
         self.results.extend([None] * len(jobs))
         added: dict[str, list[int]] = {}
         for i, j in enumerate(jobs, start=first):
@@ -439,7 +441,7 @@ class _ScheduleRun:
             try:
                 sample = next(self.more)
                 jobs = expand_samples([sample], self.cfg.n)
-                clash = sorted({j.uid for j in jobs} & {j.uid for j in self.jobs} | {j.group_id for j in jobs} & set(self.groups))
+                clash = sorted({j.uid for j in jobs} & self.uids | {j.group_id for j in jobs} & self.groups.keys())
                 if clash:
                     raise ValueError(f"uid/group {clash[:3]} already in this step")
             except StopIteration:

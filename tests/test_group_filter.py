@@ -156,3 +156,13 @@ def test_runtime_steps_with_equal_rewards_sample_on_and_report_it() -> None:
         assert res.ragged["group_ids"] == [t.group_id for t in res.trajectories]
         assert res.ragged["response_ids"] == [t.response_ids for t in res.trajectories]
         assert rt.steps_done == 2 and rt.lifecycle.generations_outside_awake == 0
+
+
+async def test_a_bad_sample_from_the_source_stops_drawing_and_keeps_the_step() -> None:
+    sched = make(n=2, target_groups=2, group_filter="drop_zero_variance")
+    source = iter([prompt("p0", [0.0, 1.0]), prompt("m1", [0.0, 1.0])])  # p0 is already in the step
+    res = await sched.run([prompt("p0", [1.0, 0.0])], more_samples=source)
+    m = res.metrics
+    assert "bad sample" in m["refill_stop"] and "p0" in m["refill_stop"]
+    assert [t.uid for t in res.trajectories] == ["p0_0", "p0_1"]
+    assert m["groups_accepted"] == 1 and m["budget_exhausted"] is True
