@@ -352,3 +352,22 @@ def test_drop_in_scores_a_failed_row_with_its_group_mean() -> None:
     assert abs(float(adv[2, 0])) < 1e-6 and abs(float(adv[5, 0])) < 1e-6
     a = [0, 1, 3]
     assert sum(float(adv[i, 0]) for i in a) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_verl_rows_become_group_members() -> None:
+    from agentloop.integrations.verl_rollout import rows_to_samples
+
+    gen = DataProto.from_dict(non_tensors={
+        "raw_prompt": _objs([[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2?"}]]),
+        "reward_model": _objs([{"ground_truth": 2}, {"ground_truth": 4}]),
+        "agent_name": _objs(["tool_agent", "single_turn_agent"]),
+        "uid": _objs(["u0", "u1"]),
+    }).repeat(2, interleave=True)  # as verl's trainer repeats for rollout.n
+    samples = rows_to_samples(gen)
+    assert [(s.uid, s.group_id, s.index_in_group) for s in samples] == [
+        ("u0#0", "u0", 0), ("u0#1", "u0", 1), ("u1#0", "u1", 0), ("u1#1", "u1", 1)]
+    assert [s.agent for s in samples] == ["tool", "tool", "single_turn", "single_turn"]
+    assert [s.ground_truth for s in samples] == [2, 2, 4, 4]
+    assert samples[0].messages == [{"role": "user", "content": "1+1?"}]
+    with pytest.raises(ValueError, match="return_raw_chat"):
+        rows_to_samples(DataProto.from_dict(non_tensors={"uid": _objs(["u0"])}))

@@ -244,6 +244,10 @@ class AgentLoopManager:
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
+#: verl's registered agent loops -> agentloop's (a row's `agent_name`); other names are agentloop registry names.
+VERL_AGENTS = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
+
+
 def rows_to_samples(prompts: DataProto) -> list[Sample]:
     """verl rows (`raw_prompt` messages, `uid`, `reward_model.ground_truth`, ...) → agentloop group members."""
     nt = prompts.non_tensor_batch
@@ -263,7 +267,9 @@ def rows_to_samples(prompts: DataProto) -> list[Sample]:
         messages = list(messages.tolist() if isinstance(messages, np.ndarray) else messages)
         reward_model = row.get("reward_model") or {}
         gt = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+        agent = row.get("agent_name")
         out.append(Sample(uid=f"{group}#{k}", group_id=group, index_in_group=k, messages=messages,
+                          agent=VERL_AGENTS.get(str(agent), str(agent)) if agent is not None else None,
                           ground_truth=gt, extra={"verl_row": row}))
     return out
 
