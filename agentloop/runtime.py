@@ -115,6 +115,8 @@ class Runtime:
         if self.started:
             return self
         ecfg = self.config.engine
+        if self.tools is None:  # a bad tools file is refused before any engine starts
+            self.tools = self._load_tools()
         try:
             if self._given_clients is not None:
                 self.clients = list(self._given_clients)
@@ -125,8 +127,6 @@ class Runtime:
             else:
                 await self._start_embedded()
             self.tokenizer = self.tokenizer if self.tokenizer is not None else await self._load_tokenizer()
-            if self.tools is None:
-                self.tools = self._load_tools()
             await self._fit_context_to_engines()
             self.lifecycle = Lifecycle(
                 self.clients,

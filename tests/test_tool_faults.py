@@ -332,3 +332,14 @@ async def test_an_abandoned_endless_sync_stream_stops_producing() -> None:
             await anyio.sleep(0.05)
     await anyio.sleep(0.2)
     assert endless.produced <= seen + 1  # stopped at the piece after the timeout
+
+
+async def test_runtime_refuses_a_bad_tools_file_before_starting_an_engine(tmp_path: Path) -> None:
+    from agentloop.tools import ToolConfigError
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: agentloop.tools.builtin.calculator.CalculatorTool\n    config: {}\n    config: {}\n")
+    rt = Runtime({"agent": {"tools": str(tools)}})  # no URLs: start() would launch the embedded engine
+    with pytest.raises(ToolConfigError, match=r"tools.yaml:4:5: not valid YAML: duplicated key 'config'"):
+        await rt.start()
+    assert rt.processes == [] and rt.clients == []
