@@ -19,7 +19,7 @@ from agentloop.integrations.trl import AgentloopRollout  # noqa: E402
 from agentloop.models import tiny_tool_model  # noqa: E402
 from agentloop.tasks.arithmetic import generate_questions  # noqa: E402
 
-pytestmark = [pytest.mark.trl, pytest.mark.slow]
+pytestmark = pytest.mark.trl
 
 
 class RecordingGRPOTrainer(GRPOTrainer):
@@ -42,6 +42,18 @@ class RecordingGRPOTrainer(GRPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+def test_misuse_is_refused_before_any_engine_starts() -> None:
+    from types import SimpleNamespace
+
+    rollout = AgentloopRollout({"agent": {"temperature": 1.0}})
+    with pytest.raises(ValueError, match=r"agent.temperature=1.0 but GRPOConfig.temperature=0.7"):
+        rollout([[{"role": "user", "content": "1+1?"}]], SimpleNamespace(temperature=0.7))
+    assert not rollout.runtime.started
+    with pytest.raises(ValueError, match="one completion per prompt entry"):
+        AgentloopRollout(None, target_groups=2)
+
+
+@pytest.mark.slow
 def test_grpo_trainer_two_steps_with_agentloop_rollouts(tmp_path) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model_dir = str(tiny_tool_model())

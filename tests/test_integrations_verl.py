@@ -154,6 +154,7 @@ def test_bad_input_is_refused_clearly() -> None:
         to_dataproto([traj("a_0", "a", 1.0)], failed="keep")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_real_two_step_rollout_converts_for_verl_grpo() -> None:
     """Two real steps on the embedded CPU engine with the tiny tool model (staged wake-up each step);
     a reward function that fails on some members: verl's GRPO sees only the trainable ones."""
@@ -226,6 +227,7 @@ class EngineLLMClient:
                            stop_reason="aborted" if out.finish_type == "abort" else "completed")
 
 
+@pytest.mark.slow
 def test_agent_loop_manager_drop_in_two_steps(start_local_engine) -> None:
     """verl's trainer calls: `AgentLoopManager.create(config=, llm_client=, ...)`, then per step
     `generate_sequences(gen_batch)` on rows repeated n times (interleaved) with a shared `uid`; the output
@@ -301,6 +303,7 @@ class RewardWorkerHandle:
         return NaiveRewardManager(config=None, tokenizer=self.tokenizer, compute_score=self.score).run_single(data)
 
 
+@pytest.mark.slow
 def test_agent_loop_manager_scores_with_verls_reward_loop_workers(start_local_engine) -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer

@@ -96,9 +96,9 @@ class AgentloopRollout:
 
     # ------------------------------------------------------------------ the rollout_func
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        self._check_temperature(trainer)  # before any engine starts
         if not self.runtime.started:
             self.start()
-        self._check_temperature(trainer)
         group_size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         self.calls += 1
         samples = [self._sample(p, i, group_size) for i, p in enumerate(prompts)]
