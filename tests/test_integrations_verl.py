@@ -227,8 +227,16 @@ class EngineLLMClient:
                            stop_reason="aborted" if out.finish_type == "abort" else "completed")
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(start_local_engine) -> str:
+    """One embedded engine serving the tiny tool model for the drop-in tests (verl owns its servers' lifecycle)."""
+    from agentloop.models import tiny_tool_model
+
+    return start_local_engine(tiny_tool_model())
+
+
 @pytest.mark.slow
-def test_agent_loop_manager_drop_in_two_steps(start_local_engine) -> None:
+def test_agent_loop_manager_drop_in_two_steps(tiny_engine: str) -> None:
     """verl's trainer calls: `AgentLoopManager.create(config=, llm_client=, ...)`, then per step
     `generate_sequences(gen_batch)` on rows repeated n times (interleaved) with a shared `uid`; the output
     unions with the batch and verl's GRPO advantage runs on it."""
@@ -239,7 +247,7 @@ def test_agent_loop_manager_drop_in_two_steps(start_local_engine) -> None:
     from agentloop.tasks.arithmetic import generate_questions
 
     model = tiny_tool_model()
-    client = EngineLLMClient(start_local_engine(model))
+    client = EngineLLMClient(tiny_engine)
     cfg = OmegaConf.create({"actor_rollout_ref": {
         "model": {"path": str(model)},
         "rollout": {"prompt_length": 256, "response_length": 192, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 3,
@@ -304,7 +312,7 @@ class RewardWorkerHandle:
 
 
 @pytest.mark.slow
-def test_agent_loop_manager_scores_with_verls_reward_loop_workers(start_local_engine) -> None:
+def test_agent_loop_manager_scores_with_verls_reward_loop_workers(tiny_engine: str) -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -318,7 +326,7 @@ def test_agent_loop_manager_scores_with_verls_reward_loop_workers(start_local_en
         "model": {"path": str(model)},
         "rollout": {"prompt_length": 256, "response_length": 192, "temperature": 1.0,
                     "agent": {"agentloop": {"agent": {"max_new_tokens_per_turn": 48}}}}}})
-    manager = AgentLoopManager.create(config=cfg, llm_client=EngineLLMClient(start_local_engine(model)),
+    manager = AgentLoopManager.create(config=cfg, llm_client=EngineLLMClient(tiny_engine),
                                       reward_loop_worker_handles=[worker])
     qs = generate_questions(2, seed=7)
     gen = DataProto.from_dict(non_tensors={
