@@ -40,7 +40,7 @@ from anyio.lowlevel import RunVar
 
 from ..base import Tool, ToolContext, ToolError
 from ..sandbox.fusion import run_fusion
-from ..sandbox.interpreter import interpreter_files
+from ..sandbox.interpreter import InterpreterFiles, interpreter_files
 from ..sandbox.namespaces import (
     BOOT_DIR, SCRATCH, SandboxUnavailable, explain_failure, find_host_tools, sandbox_command,
 )
@@ -62,8 +62,14 @@ BLOCKED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "_po
                    "seccompy")
 SandboxKind = Literal["kernel", "sandbox_fusion", "unsafe_subprocess"]
 SANDBOXES = ("kernel", "sandbox_fusion", "unsafe_subprocess")
-ISOLATION_FAILED = 111  # _sandbox_boot.ISOLATION_FAILED
 _STAGES = ("bwrap:", "setpriv:", "unshare:", "sandbox-boot:")  # what a failing sandbox stage prints first
+
+
+def _interpreter(python: str) -> InterpreterFiles:
+    try:
+        return interpreter_files(python)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise SandboxUnavailable(f"python tool sandbox: cannot inspect the interpreter {python!r}: {e}") from e
 
 
 def _kernel_command(python: str, *, readable: list[str], site_packages: bool, scratch_bytes: int,
@@ -71,10 +77,7 @@ def _kernel_command(python: str, *, readable: list[str], site_packages: bool, sc
     """Blocking (first call probes the interpreter and the host tools; cached afterwards)."""
     root = os.geteuid() == 0
     tools = find_host_tools(root)
-    try:
-        interp = interpreter_files(python)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise SandboxUnavailable(f"python tool sandbox: cannot inspect the interpreter {python!r}: {e}") from e
+    interp = _interpreter(python)
     return sandbox_command(tools, interp, root=root, boot=str(_BOOT),
                            scratch_bytes=scratch_bytes, readable=readable, site_packages=site_packages,
                            python_args=["-I", "-S", "-B", "-u", f"{BOOT_DIR}/_sandbox_boot.py", *boot_args])
@@ -237,7 +240,7 @@ class PythonTool(Tool):
             "blocked_imports": self.blocked_imports,
             "restrict_reads": self.restrict_reads,
             "readable_paths": self.readable_paths,
-            "extra_paths": list(interpreter_files(self.python).site_packages) if self.allow_site_packages else [],
+            "extra_paths": list(_interpreter(self.python).site_packages) if self.allow_site_packages else [],
         }
         if kernel:
             try:
