@@ -334,7 +334,8 @@ os._exit(0)
     assert threads.stdout.startswith("stopped at") and int(threads.stdout.split()[2]) <= 8, threads
     cpu = await tool.run_code("while True: pass")
     assert cpu.returncode == -signal.SIGXCPU and not cpu.timed_out, cpu
-    flood = await tool.run_code("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
+    flooder = PythonTool(audit_hook=False, timeout=5, cpu_seconds=1, max_output_bytes=1000)
+    flood = await flooder.run_code("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
     assert len(flood.stdout) == 1000 and flood.stdout_dropped > 100_000  # stopped by the CPU limit or the timeout
     assert flood.returncode in (-signal.SIGXCPU, -signal.SIGKILL), flood.returncode
     disk = await tool.run_code(TRY + """
