@@ -224,3 +224,40 @@ async def test_health_and_info_endpoints(local_engine: str) -> None:
         assert mi["is_generation"] is True and mi["weight_version"] == "default"
         async with s.get(f"{local_engine}/no_such_endpoint") as r:
             assert r.status == 404
+
+
+async def _get(url: str, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, await r.text()
+
+
+async def test_lifecycle_misuse_that_kills_sglang_is_refused_and_says_so(local_engine: str) -> None:
+    """SGLang 0.5.17 dies on a double release (torch_memory_saver: "Cannot pause allocation that is not
+    active"), on a resume of resident memory (KeyError) and on a generate or /health on released memory.
+    The CPU engine refuses each, names the tags, says SGLang would crash, changes nothing and serves on
+    — over two release/resume cycles."""
+    crash = "real SGLang 0.5.17 would crash here"
+    for _ in range(2):
+        status, resp = await post(local_engine, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        assert status == 400 and "['kv_cache']: not released" in message(resp) and crash in message(resp), resp
+        assert (await post(local_engine, "/release_memory_occupation", {"tags": ["kv_cache"]}))[0] == 200
+        try:
+            for tags in (["kv_cache"], ["weights", "kv_cache"], None):
+                status, resp = await post(local_engine, "/release_memory_occupation", {"tags": tags} if tags else {})
+                assert status == 400 and "['kv_cache']: already released" in message(resp), (tags, resp)
+                assert crash in message(resp) and "Cannot pause allocation that is not active" in message(resp)
+            # The refused releases released nothing else: weights are resident, resuming them is misuse too.
+            status, resp = await post(local_engine, "/resume_memory_occupation", {"tags": ["weights"]})
+            assert status == 400 and "not released" in message(resp) and crash in message(resp), resp
+            status, resp = await post(local_engine, "/generate", {"input_ids": PROMPT})
+            assert status == 503 and "kv_cache" in message(resp) and crash in message(resp), resp
+            for path in ("/health", "/health_generate"):
+                status, text = await _get(local_engine, path)
+                assert status == 503 and crash in text, (path, text)
+            status, text = await _get(local_engine, "/model_info")  # the safe probe still answers
+            assert status == 200, text
+        finally:
+            assert (await post(local_engine, "/resume_memory_occupation", {"tags": ["kv_cache"]}))[0] == 200
+        await assert_serving(local_engine)
+        assert (await _get(local_engine, "/health"))[0] == 200

@@ -132,8 +132,10 @@ def test_memory_release_frees_storage_and_resume_gives_zeros(random_model_dir: P
     mem.release(["weights"])
     assert mem.weights_bytes() == 0 and all(p.numel() == 0 for p in model.parameters())
     assert "weights" in mem.generation_block_reason()
-    mem.release(["weights"])  # idempotent
-    with pytest.raises(MemoryTagError, match="not released"):
+    with pytest.raises(MemoryTagError, match="already released.*real SGLang 0.5.17 would crash here"):
+        mem.release(["kv_cache", "weights"])  # a double release kills SGLang: refused, nothing changed
+    assert mem.released == {"weights"}
+    with pytest.raises(MemoryTagError, match="not released.*would crash here"):
         mem.resume(["kv_cache"])
     mem.resume(["weights"])
     assert mem.weights_bytes() == full and not mem.weights_valid

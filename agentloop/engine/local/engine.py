@@ -248,9 +248,13 @@ class LocalEngine:
                     f"cannot release memory while {len(self.scheduler.running)} request(s) are running; "
                     "pause_generation (abort or retract) or abort them first"
                 )
+            try:
+                released = self.memory.release(tags)
+            except MemoryTagError as e:
+                raise EngineInputError(str(e)) from None
             if "kv_cache" in tags:
                 self.scheduler.kv.clear()
-            return self.memory.release(tags)
+            return released
 
         return await self._on_worker(_release)
 

@@ -9,8 +9,12 @@ Tags: `weights`, `kv_cache`, `cuda_graph` (no tags = all). What each does here:
   the empty batch cache) and forbids allocating new ones until resumed.
 - `cuda_graph`: there are no CUDA graphs on CPU; the tag is tracked so that, like SGLang, resuming a
   tag that was not released is an error.
-While `weights` or `kv_cache` is released, generation is refused (see `generation_block_reason`).
-Releasing an already released tag is a no-op. All methods run on the scheduler's worker thread.
+Misuse fails as loudly as SGLang 0.5.17 does, where it kills the server: releasing a tag that is
+already released (torch_memory_saver: "Cannot pause allocation that is not active" ends its
+scheduler), resuming a tag that is not released (a KeyError in its scheduler), and a generate,
+`/health` or `/health_generate` while `weights` or `kv_cache` is released. The CPU engine refuses
+each with an error whose message contains `SGLANG_WOULD_CRASH`, changes nothing and keeps serving,
+so CPU tests catch what a GPU server punishes. All methods run on the scheduler's worker thread.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import torch
 from torch import nn
 
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+#: In every refusal of a call that real SGLang does not survive (see the module docstring).
+SGLANG_WOULD_CRASH = "real SGLang 0.5.17 would crash here"
 
 
 class MemoryTagError(ValueError):
@@ -55,7 +63,14 @@ class MemoryManager:
 
     def release(self, tags: Sequence[str] | None) -> list[str]:
         tags = normalize_tags(tags)
-        if "weights" in tags and "weights" not in self.released:
+        again = [t for t in tags if t in self.released]
+        if again:
+            raise MemoryTagError(
+                f"cannot release tag(s) {again}: already released (released now: {sorted(self.released)}); "
+                f"{SGLANG_WOULD_CRASH} (torch_memory_saver: 'Cannot pause allocation that is not active. "
+                f"tag={again[0]}' ends its scheduler). Resume them first, or release only resident tags."
+            )
+        if "weights" in tags:
             for name, p in self._params():
                 self._shapes[name] = (p.shape, p.dtype)
                 p.data = torch.empty(0, dtype=p.dtype)
@@ -68,7 +83,8 @@ class MemoryManager:
         not_released = [t for t in tags if t not in self.released]
         if not_released:
             raise MemoryTagError(
-                f"cannot resume tag(s) {not_released}: not released (released now: {sorted(self.released)})"
+                f"cannot resume tag(s) {not_released}: not released (released now: {sorted(self.released)}); "
+                f"{SGLANG_WOULD_CRASH} (KeyError on the tag in its scheduler). Resume only released tags."
             )
         if "weights" in tags:
             for name, p in self._params():
@@ -84,7 +100,8 @@ class MemoryManager:
             return None
         return (
             f"memory released ({', '.join(blocked)}): generation is refused until "
-            f"/resume_memory_occupation restores {blocked}"
+            f"/resume_memory_occupation restores {blocked}; {SGLANG_WOULD_CRASH} (a generate, /health or "
+            "/health_generate on released memory ends its scheduler)"
         )
 
     def weights_bytes(self) -> int:
