@@ -68,6 +68,12 @@ class EngineConfig(_Strict):
         description="Memory tags released at sleep (and resumed at wake-up).",
     )
     request_timeout: float = Field(600.0, gt=0, description="Seconds one generate request may take.")
+    keepalive_timeout: float = Field(
+        2.0, gt=0,
+        description="Seconds an idle HTTP connection to an engine server is kept for reuse. Must stay below the "
+        "server's keep-alive (SGLang/uvicorn: 5 s, SGLANG_TIMEOUT_KEEP_ALIVE), or a request can be written onto a "
+        "connection the server is closing (requests that provably never reached the server are sent again).",
+    )
     start_timeout: float = Field(180.0, gt=0, description="Seconds to wait for engine servers to come up.")
     settle_timeout: float = Field(60.0, gt=0, description="Seconds sleep waits for aborted requests to settle.")
     stage_timeout: float = Field(600.0, gt=0, description="Seconds one lifecycle stage may take on one server.")

@@ -14,9 +14,23 @@ SGLang 0.5.17 speaks them (see the recorded responses in
 
 Network discipline: one shared `aiohttp.ClientSession` (created lazily in the running event loop,
 closed by `close()`), a timeout on every call, and retries with backoff only where repeating cannot
-do harm: GET requests (they change nothing) and any request whose TCP connection could not be
-opened (nothing was sent). A POST that reached the server is never repeated: a repeated
-`/generate` would sample twice, a repeated release could hit a KeyError on resume.
+do harm: GET requests (they change nothing) and any request that provably never reached the server.
+A POST that may have reached the server is never repeated: a repeated `/generate` would sample
+twice, a repeated release would crash SGLang (torch_memory_saver refuses a double pause).
+
+The keep-alive race: SGLang's uvicorn closes a connection idle for 5 s (`SGLANG_TIMEOUT_KEEP_ALIVE`),
+aiohttp pools idle connections for 15 s by default, so a request written onto a connection the
+server has just closed fails with `ServerDisconnectedError` (seen on the H200 after 0.5-3 s tool
+waits). Two defences: the client drops pooled connections idle for `keepalive_timeout` seconds
+(default 2 s, below the server's 5 s; `engine.keepalive_timeout`), and a request that provably never
+reached the server is sent again, whatever the endpoint, lifecycle calls and generates included.
+"Provably": the TCP connection could not be opened (`ClientConnectorError`), or a *reused*
+connection was closed by the server before any byte of a response came back (`ServerDisconnectedError`
+with no partial response, a reset/broken pipe, or the body could not be written). A live uvicorn never closes a connection that holds
+an unanswered request (it answers errors with a status), so that close is its idle timeout racing our
+write and the request was never read; a server that died while it held the request refuses the
+repeat's connection, so nothing runs twice. A failure after the response started is never repeated.
+Each server's reachability is logged once per change (unreachable, reachable again), not per request.
 
 What the client checks before sending (out-of-vocabulary ids, tensor names and shapes) and how it
 learns about the served model is in `served_model.py`.
@@ -30,9 +44,11 @@ like `Engine._serialize_tensors_per_rank`), imported lazily so this module needs
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import uuid
+from types import SimpleNamespace
 from typing import Any, Literal, Mapping, Sequence
 
 import aiohttp
@@ -55,6 +71,31 @@ log = logging.getLogger(__name__)
 
 #: Connection failures that happen before any byte of the request left this process.
 _NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,)
+#: SGLang's HTTP keep-alive (uvicorn `timeout_keep_alive`, `SGLANG_TIMEOUT_KEEP_ALIVE`), seconds.
+SGLANG_KEEPALIVE_SECONDS = 5.0
+#: How long the client keeps an idle connection for reuse: well below the server's, so the server
+#: never closes a connection the client is about to write on (aiohttp's own default is 15 s).
+DEFAULT_KEEPALIVE_SECONDS = 2.0
+#: Resends of one request after reused connections were found closed (each proven unsent).
+_MAX_STALE_RESENDS = 3
+
+
+def _closed_before_reply(e: BaseException, reused: bool) -> bool:
+    """Whether `e` (raised before any response) proves the server never read the request: a reused
+    connection the server had closed (clean close with nothing of a response parsed, a reset / broken
+    pipe when our write met the closed socket, or aiohttp's "Can not write request body": the body
+    never went out whole, so no server can have acted on it). See the module docstring."""
+    if not reused:
+        return False
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return isinstance(e.message, str)  # a partly received response would be its RawResponseMessage
+    return isinstance(e, aiohttp.ClientOSError) and (
+        e.errno in (errno.ECONNRESET, errno.EPIPE) or "Can not write request body" in str(e))
+
+
+async def _on_reused(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
 #: asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
 _TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
 
@@ -95,6 +136,9 @@ class SGLangClient(ServedModelChecks):
     `timeout` bounds every control call; `generate_timeout` bounds a generate unless the call gives
     its own. `retries`/`backoff` apply only to safe-to-repeat requests (see module docstring).
     `tensor_transport="auto"` asks `/server_info` once which weight-tensor transport to use.
+    `keepalive_timeout`: seconds an idle pooled connection is reused (keep it below the server's,
+    `SGLANG_KEEPALIVE_SECONDS`). A caller's own `session` keeps its connector's settings, and without
+    our connection-reuse tracing only connect failures are retried on it.
     """
 
     def __init__(
@@ -108,6 +152,7 @@ class SGLangClient(ServedModelChecks):
         retries: int = 3,
         backoff: float = 0.2,
         max_connections: int = 2048,
+        keepalive_timeout: float = DEFAULT_KEEPALIVE_SECONDS,
         vocab_size: int | None | Literal["auto"] = "auto",
         weight_check: bool = True,
     ) -> None:
@@ -119,6 +164,12 @@ class SGLangClient(ServedModelChecks):
         self.retries = retries
         self.backoff = backoff
         self.max_connections = max_connections
+        if not 0 < keepalive_timeout < SGLANG_KEEPALIVE_SECONDS:
+            log.warning("keepalive_timeout %.1fs for %s is not below SGLang's %.0fs: idle connections may be "
+                        "closed under a request", keepalive_timeout, url, SGLANG_KEEPALIVE_SECONDS)
+        self.keepalive_timeout = keepalive_timeout
+        #: None until the first answer or failure; each change is logged once (`_reachable_now`).
+        self.reachable: bool | None = None
         self.tensor_transport: TensorTransport = tensor_transport
         self._session = session
         self._owns_session = session is None
@@ -139,8 +190,22 @@ class SGLangClient(ServedModelChecks):
                 raise EngineError("(session)", None, "the aiohttp session given to SGLangClient is closed", url=self.url)
             # limit: a rollout step keeps hundreds of generates open at once; aiohttp's default (100)
             # would queue them client-side and eat into their timeouts.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.max_connections))
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(_on_reused)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.keepalive_timeout),
+                trace_configs=[trace])
         return self._session
+
+    def _reachable_now(self, reachable: bool, why: str = "") -> None:
+        """Log a change of this server's reachability once (not once per request)."""
+        if reachable == self.reachable:
+            return
+        if not reachable:
+            log.warning("engine server %s unreachable: %s", self.url, why)
+        elif self.reachable is False:
+            log.info("engine server %s reachable again", self.url)
+        self.reachable = reachable
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None and not self._session.closed:
@@ -171,35 +236,47 @@ class SGLangClient(ServedModelChecks):
         if retry is None:
             retry = method == "GET"
         tmo = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
-        attempts = 1 + max(0, self.retries)
-        last: EngineUnavailable | None = None
-        for attempt in range(attempts):
-            if attempt:
-                await anyio.sleep(self.backoff * (2 ** (attempt - 1)))
+        failures = 0  # failed attempts that count against `retries`
+        stale = 0  # resends after a reused connection was found closed (proven unsent; not counted)
+        while True:
+            if failures and not stale:
+                await anyio.sleep(self.backoff * (2 ** (failures - 1)))
+            conn: dict[str, bool] = {}  # set by the session's trace: {"reused": True} on a pooled connection
+            replied = False
             try:
-                kwargs: dict[str, Any] = {"timeout": tmo}
+                kwargs: dict[str, Any] = {"timeout": tmo, "trace_request_ctx": conn}
                 if body is not None:
                     kwargs["json"] = body
                 async with self._get_session().request(method, self.url + endpoint, **kwargs) as resp:
+                    replied = True
                     data = await resp.read()
                     status = resp.status
-            except _NOT_SENT_ERRORS as e:
-                last = EngineUnavailable(endpoint, None, f"cannot connect: {e}", url=self.url)
-                continue  # nothing was sent: repeating is always safe
             except (aiohttp.ClientError, *_TIMEOUT_ERRORS, OSError) as e:
-                what = f"timed out after {tmo.total}s" if isinstance(e, _TIMEOUT_ERRORS) else f"{type(e).__name__}: {e}"
-                last = EngineUnavailable(endpoint, None, what, url=self.url)
-                if retry:
+                if not replied and stale < _MAX_STALE_RESENDS and _closed_before_reply(e, conn.get("reused", False)):
+                    log.debug("%s %s: reused connection closed before the request was read (%s); sending again",
+                              method, self.url + endpoint, e)
+                    stale += 1
                     continue
-                raise last from e
+                stale = 0
+                failures += 1
+                if isinstance(e, _NOT_SENT_ERRORS):
+                    what, may_repeat = f"cannot connect: {e}", True  # nothing was sent
+                elif isinstance(e, _TIMEOUT_ERRORS):
+                    what, may_repeat = f"timed out after {tmo.total}s", retry
+                else:
+                    what, may_repeat = f"{type(e).__name__}: {e}", retry
+                if may_repeat and failures <= self.retries:
+                    continue
+                self._reachable_now(False, what)
+                raise EngineUnavailable(endpoint, None, what, url=self.url) from e
+            self._reachable_now(True)
             if status not in ok_statuses:
-                if retry and status in (502, 503, 504) and attempt + 1 < attempts:
-                    last = EngineUnavailable(endpoint, status, error_message(data), url=self.url)
+                if retry and status in (502, 503, 504) and failures < self.retries:
+                    failures += 1
+                    stale = 0
                     continue
                 raise EngineError(endpoint, status, error_message(data), url=self.url)
             return status, data
-        assert last is not None
-        raise last
 
     async def _json(self, method: str, endpoint: str, body: Any = None, **kw: Any) -> Any:
         _, data = await self._request(method, endpoint, body, **kw)
