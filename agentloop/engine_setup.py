@@ -39,7 +39,8 @@ def make_client(url: str, ecfg: EngineConfig) -> EngineClient:
     """The HTTP client for the engine at `url` (real SGLang and the CPU engine alike)."""
     from .engine.sglang import SGLangClient
 
-    return SGLangClient(url, generate_timeout=ecfg.request_timeout, keepalive_timeout=ecfg.keepalive_timeout)
+    return SGLangClient(url, generate_timeout=ecfg.request_timeout, keepalive_timeout=ecfg.keepalive_timeout,
+                        check_finite_weights=ecfg.check_finite_weights)
 
 
 def embedded_model(ecfg: EngineConfig) -> Path:

@@ -194,6 +194,7 @@ def signal_mid_step(cmd: list[str], sig: int, *, stop_timeout: float = 90) -> tu
     return proc.returncode, "".join(seen), stdout, stderr
 
 
+@pytest.mark.xfail(strict=True, reason=('issue 14 attach state: this attaches a second runtime to a CPU server the first left asleep; its start-up sleep releases released memory, which the CPU engine now refuses as real SGLang 0.5.17 dies on it (torch_memory_saver). Passes again once attach-state lands; remove this mark then.'))
 def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
     out = tmp_path / "out"
     url = two_engines[0]

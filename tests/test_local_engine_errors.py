@@ -122,6 +122,12 @@ async def test_bad_weight_updates_get_400_and_change_nothing(local_engine: str, 
     cases = [
         ({"serialized_named_tensors": [b64(bad_shape)]}, "'model.norm.weight' has shape [65]"),
         ({"serialized_named_tensors": [b64(bad_name)]}, "'model.layers.9.mlp.up_proj.weight' does not match"),
+        # NaN/Inf used to be taken, and then every sampled generate answered 500.
+        ({"serialized_named_tensors": [b64({"model.norm.weight": torch.full((64,), float("nan"))})]},
+         "tensor 'model.norm.weight' holds 64 NaN and 0 Inf value(s)"),
+        ({"serialized_named_tensors": [b64({"model.norm.weight": good.clone().index_fill_(0, torch.tensor([3]), float("-inf")),
+                                            "model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64)})]},
+         "tensor 'model.norm.weight' holds 0 NaN and 1 Inf value(s)"),
         ({"serialized_named_tensors": [base64.b64encode(pickle.dumps([("model.norm.weight", good)])).decode()]},
          "only safetensors payloads"),
         ({"serialized_named_tensors": ["%%% not base64 %%%"]}, "only safetensors payloads"),

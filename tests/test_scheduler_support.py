@@ -37,6 +37,9 @@ class FakeEngine:
         self.generates: list[tuple[str, int]] = []  # (rid, len(input_ids))
         self.error_next: EngineError | None = None
         self.calls: list[str] = []
+        # Counted where the request "leaves", as SGLangClient does (the Lifecycle sets gate_open).
+        self.gate_open: Any = None
+        self.sent_outside_awake = 0
 
     def _check(self, endpoint: str) -> None:
         if self.dead:
@@ -45,6 +48,8 @@ class FakeEngine:
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams, *, rid: str | None = None,
                        return_logprob: bool = True, timeout: float | None = None) -> GenerateOutput:
         self._check("/generate")
+        if self.gate_open is not None and not self.gate_open():
+            self.sent_outside_awake += 1
         if self.error_next is not None:
             e, self.error_next = self.error_next, None
             raise e

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from agentloop.agents.base import sample_seed
 from agentloop.runtime import Runtime
 from agentloop.types import Sample
@@ -18,6 +20,10 @@ def test_sample_seed_is_stable_distinct_and_in_range() -> None:
     assert all(0 <= s < 2**31 for s in seeds)
     assert sample_seed(1, "q0", 0, 0) == sample_seed(1, "q0", 0, 0) != sample_seed(2, "q0", 0, 0)
     assert sample_seed(7, "q0", 3, 1) == 1827837001  # pinned: a seed means the same run on every platform and version
+
+
+#: Until issue 14's attach state lands (see the xfail below).
+ATTACH_ASLEEP = ('issue 14 attach state: this attaches a second runtime to a CPU server the first left asleep; its start-up sleep releases released memory, which the CPU engine now refuses as real SGLang 0.5.17 dies on it (torch_memory_saver). Passes again once attach-state lands; remove this mark then.')
 
 
 async def _two_steps(url: str, seed: int | None) -> tuple[list[list[Any]], list[int]]:
@@ -42,6 +48,7 @@ async def _two_steps(url: str, seed: int | None) -> tuple[list[list[Any]], list[
     return steps, sent
 
 
+@pytest.mark.xfail(strict=True, reason=ATTACH_ASLEEP)
 async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engine: str) -> None:
     first, sent = await _two_steps(local_engine, seed=1)
     for step in first:

@@ -503,3 +503,47 @@ async def test_session_is_shared_lazy_and_closed(replay) -> None:
         async with SGLangClient(replay.url, session=shared) as c2:
             await c2.model_info()
         assert not shared.closed  # a session given in is the caller's to close
+
+
+async def test_generations_outside_awake_counts_what_leaves_the_client_after_the_gate_closed() -> None:
+    """The metric is measured where the request leaves the client, not where the gate was passed: a
+    generate that passed the gate but whose vocabulary lookup (/server_info) was still running when a
+    sleep began is sent outside AWAKE, and counted; generates sent while AWAKE are not."""
+    from agentloop.engine.lifecycle import Lifecycle
+
+    info_started = anyio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.path == "/server_info":  # the vocabulary lookup of a client's first generate
+            info_started.set()
+            await anyio.sleep(0.5)
+            return web.json_response({"vocab_size": 100, "tensor_transport": "safetensors"})
+        if request.path == "/generate":
+            return web.json_response({"output_ids": [1], "meta_info": {
+                "id": "r", "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-0.1, 1, None]]}})
+        if request.path == "/flush_cache":
+            return web.Response(text="Cache flushed.")
+        return web.json_response({"message": "ok", "status": "ok"} if "generation" in request.path else None)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        with anyio.fail_after(30):  # hang guard
+            async with SGLangClient(url, retries=0, vocab_size=None) as awake_only:
+                lc = Lifecycle([awake_only])
+                assert awake_only.gate_open is not None and awake_only.gate_open()
+                await lc.generate(url, [1, 2], SamplingParams(max_new_tokens=1))  # AWAKE: not counted
+                assert lc.generations_outside_awake == 0
+            async with SGLangClient(url, retries=0) as client:
+                lc = Lifecycle([client])
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: lc.generate(url, [1, 2], SamplingParams(max_new_tokens=1)))
+                    await info_started.wait()  # past the gate, not yet sent
+                    await lc.sleep()  # waits for the in-flight generate, which now leaves outside AWAKE
+                assert client.sent_outside_awake == 1 and lc.generations_outside_awake == 1
+    finally:
+        await server.close()

@@ -74,7 +74,7 @@ class Lifecycle:
     ) -> None:
         if not clients:
             raise ValueError("Lifecycle needs at least one engine client")
-        self._servers: dict[str, _Server] = {c.url: _Server(c) for c in clients}
+        self._servers: dict[str, _Server] = {c.url: self._server(c) for c in clients}
         self.staged = staged
         self.release_tags = tuple(release_tags)
         unknown = set(self.release_tags) - set(MEMORY_TAGS)
@@ -100,7 +100,6 @@ class Lifecycle:
         self._version_counter = itertools.count(1)
         self.weight_version: str | None = None
         self.records: list[StageRecord] = []
-        self.generations_outside_awake = 0  # stays 0: asserted by tests and GPU runs
 
     # ------------------------------------------------------------------ state
     @property
@@ -128,6 +127,19 @@ class Lifecycle:
         elif self._awake_event.is_set():
             self._awake_event = anyio.Event()
 
+    def _server(self, client: EngineClient) -> _Server:
+        """A server entry; a client that can tell (`SGLangClient.gate_open`) learns when the gate is open,
+        so what it sends outside AWAKE is counted where the request leaves (`generations_outside_awake`)."""
+        if hasattr(client, "gate_open"):
+            client.gate_open = lambda: self._state is EngineState.AWAKE
+        return _Server(client)
+
+    @property
+    def generations_outside_awake(self) -> int:
+        """Generates and `/health` calls whose HTTP request left a client while the engines were not AWAKE
+        (counted by the clients at the send, after the gate was passed; 0 for clients that cannot count)."""
+        return sum(int(getattr(s.client, "sent_outside_awake", 0)) for s in self._servers.values())
+
     def remove_server(self, url: str) -> None:
         """Forget a dead server (the router calls this); its in-flight calls end on their own."""
         if len(self._servers) == 1 and url in self._servers:
@@ -136,7 +148,7 @@ class Lifecycle:
 
     def add_server(self, client: EngineClient) -> None:
         """Add a server whose memory state matches the lifecycle's (awake only while AWAKE)."""
-        s = _Server(client)
+        s = self._server(client)
         if self._state is not EngineState.AWAKE:
             raise LifecycleError("add_server", f"servers can be added only while AWAKE, not {self._state.value}", url=client.url)
         self._servers[client.url] = s
@@ -168,8 +180,6 @@ class Lifecycle:
                 break
         if self.on_generate is not None:
             self.on_generate(url, self._state)
-        if self._state is not EngineState.AWAKE:  # defensive, cannot happen after the loop above
-            self.generations_outside_awake += 1
         server.in_flight += 1
         try:
             return await server.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)

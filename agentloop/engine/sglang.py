@@ -49,7 +49,7 @@ import json
 import logging
 import uuid
 from types import SimpleNamespace
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import aiohttp
 import anyio
@@ -65,7 +65,7 @@ from .base import (
     parse_generate_response,
 )
 from .served_model import ServedModelChecks, TensorTransport
-from .weight_payloads import cuda_ipc_payloads, safetensors_payload
+from .weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,7 @@ class SGLangClient(ServedModelChecks):
         keepalive_timeout: float = DEFAULT_KEEPALIVE_SECONDS,
         vocab_size: int | None | Literal["auto"] = "auto",
         weight_check: bool = True,
+        check_finite_weights: bool = True,
     ) -> None:
         if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
             raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
@@ -170,6 +171,11 @@ class SGLangClient(ServedModelChecks):
         self.keepalive_timeout = keepalive_timeout
         #: None until the first answer or failure; each change is logged once (`_reachable_now`).
         self.reachable: bool | None = None
+        #: Set by the lifecycle gating this client: whether generation is allowed now (AWAKE). A generate
+        #: or /health whose request leaves while it says no is counted in `sent_outside_awake` — measured
+        #: at the send, after any lookup the call awaited, not where the gate was passed.
+        self.gate_open: Callable[[], bool] | None = None
+        self.sent_outside_awake = 0
         self.tensor_transport: TensorTransport = tensor_transport
         self._session = session
         self._owns_session = session is None
@@ -178,6 +184,8 @@ class SGLangClient(ServedModelChecks):
         self.vocab_size: int | None | Literal["auto"] = vocab_size
         self._lookup_lock: anyio.Lock | None = None
         self.weight_check = weight_check
+        #: Refuse NaN/Inf tensor updates before sending (`weight_payloads.check_finite`; cost in its docstring).
+        self.check_finite_weights = check_finite_weights
         self._param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"] = "auto"
 
     def __repr__(self) -> str:
@@ -196,6 +204,12 @@ class SGLangClient(ServedModelChecks):
                 connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.keepalive_timeout),
                 trace_configs=[trace])
         return self._session
+
+    def _sending_generation(self, endpoint: str) -> None:
+        if self.gate_open is not None and not self.gate_open():
+            self.sent_outside_awake += 1
+            log.error("%s sent to %s outside AWAKE (real SGLang crashes on a generate or /health while its "
+                      "memory is released)", endpoint, self.url)
 
     def _reachable_now(self, reachable: bool, why: str = "") -> None:
         """Log a change of this server's reachability once (not once per request)."""
@@ -338,6 +352,7 @@ class SGLangClient(ServedModelChecks):
             body["logprob_start_len"] = int(logprob_start_len)
         if top_logprobs_num is not None:
             body["top_logprobs_num"] = int(top_logprobs_num)
+        self._sending_generation("/generate")
         out = await self._json("POST", "/generate", body,
                                timeout=timeout if timeout is not None else self.generate_timeout, retry=False)
         if not isinstance(out, dict):
@@ -394,6 +409,11 @@ class SGLangClient(ServedModelChecks):
         abort_all_requests: bool = False,
     ) -> dict[str, Any]:
         named = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        if self.check_finite_weights:
+            try:
+                await anyio.to_thread.run_sync(check_finite, named)
+            except NonFiniteWeightsError as e:
+                raise EngineError("/update_weights_from_tensor", None, f"refused before sending: {e}", url=self.url) from None
         transport = await self.resolve_tensor_transport()
         if transport == "safetensors":
             # Serializing a model's worth of tensors is CPU work: keep the event loop free.
@@ -482,6 +502,7 @@ class SGLangClient(ServedModelChecks):
 
         503 (starting, or unhealthy) is False; a connection failure raises EngineUnavailable.
         """
+        self._sending_generation("/health")
         status, _ = await self._request("GET", "/health", None, retry=False, ok_statuses=(200, 500, 502, 503, 504))
         return status == 200
 

@@ -8,9 +8,10 @@ Sources:
   (`safetensors.torch.save(dict)`). Nothing else is accepted — in particular no pickle, which
   would run code from the network. SGLang sends one payload per TP rank; the CPU engine has one
   rank, so every payload is applied (they are normally one).
-`apply(model, tensors)` checks every name and shape before writing anything (all or nothing), so a
-bad update leaves the model as it was and the error names the first offending tensor. Names follow
-the model's own `named_parameters()` (HF checkpoint names); a tied `lm_head.weight` is accepted.
+`apply(model, tensors)` checks every name, shape and value (NaN/Inf refused) before writing
+anything (all or nothing), so a bad update leaves the model as it was and the error names the first
+offending tensor. Names follow the model's own `named_parameters()` (HF checkpoint names); a tied
+`lm_head.weight` is accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file as st_load_file
 from torch import nn
+
+from ..weight_payloads import NonFiniteWeightsError, check_finite
 
 
 class WeightUpdateError(ValueError):
@@ -85,6 +88,10 @@ def apply(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
             raise WeightUpdateError(f"tensor {name!r} has shape {list(t.shape)}, the model's parameter has {list(p.shape)}")
         if not (t.dtype.is_floating_point or t.dtype == p.dtype):
             raise WeightUpdateError(f"tensor {name!r} has dtype {t.dtype}, the model's parameter is {p.dtype}")
+    try:
+        check_finite(tensors.items())
+    except NonFiniteWeightsError as e:
+        raise WeightUpdateError(str(e)) from None
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t.to(params[name].dtype))
