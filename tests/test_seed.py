@@ -5,9 +5,8 @@ identical). Checked against the real CPU engine, two steps per run."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
-
-import pytest
 
 from agentloop.agents.base import sample_seed
 from agentloop.runtime import Runtime
@@ -20,10 +19,6 @@ def test_sample_seed_is_stable_distinct_and_in_range() -> None:
     assert all(0 <= s < 2**31 for s in seeds)
     assert sample_seed(1, "q0", 0, 0) == sample_seed(1, "q0", 0, 0) != sample_seed(2, "q0", 0, 0)
     assert sample_seed(7, "q0", 3, 1) == 1827837001  # pinned: a seed means the same run on every platform and version
-
-
-#: Until issue 14's attach state lands (see the xfail below).
-ATTACH_ASLEEP = ('issue 14 attach state: this attaches a second runtime to a CPU server the first left asleep; its start-up sleep releases released memory, which the CPU engine now refuses as real SGLang 0.5.17 dies on it (torch_memory_saver). Passes again once attach-state lands; remove this mark then.')
 
 
 async def _two_steps(url: str, seed: int | None) -> tuple[list[list[Any]], list[int]]:
@@ -48,14 +43,15 @@ async def _two_steps(url: str, seed: int | None) -> tuple[list[list[Any]], list[
     return steps, sent
 
 
-@pytest.mark.xfail(strict=True, reason=ATTACH_ASLEEP)
-async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engine: str) -> None:
+async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engine: str, random_model_dir: Path,
+                                                                      wake_attached: Any) -> None:
     first, sent = await _two_steps(local_engine, seed=1)
     for step in first:
         for group in ("q0", "q1", "q2"):
             responses = [r[2] for r in step if r[1] == group]
             assert len(responses) == 4 and len(set(responses)) == 4, f"group {group} collapsed: {responses}"
     assert None not in sent and len(set(sent)) == len(sent) // 2  # one seed per sample, the same in both steps
+    wake_attached(local_engine, random_model_dir)  # each run attaches to a server the last left asleep
     again, sent_again = await _two_steps(local_engine, seed=1)
     assert sent_again == sent
     # The same tokens in the same order; logprobs equal up to float noise (the CPU engine batches the
@@ -63,5 +59,6 @@ async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engi
     assert [[r[:3] for r in step] for step in again] == [[r[:3] for r in step] for step in first]
     diffs = [abs(a - b) for s1, s2 in zip(again, first) for r1, r2 in zip(s1, s2) for a, b in zip(r1[3], r2[3])]
     assert len(diffs) == sum(len(r[3]) for step in first for r in step) and max(diffs) < 1e-4
+    wake_attached(local_engine, random_model_dir)
     other, _ = await _two_steps(local_engine, seed=2)
     assert [r[2] for r in other[0]] != [r[2] for r in first[0]]
