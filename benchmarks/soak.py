@@ -9,8 +9,9 @@ the runtime reaches the first through a loopback TCP proxy. Faults, drawn from o
 - bad rows (per step): an empty conversation, a message without content, an unknown role, an unknown
   agent loop, a prompt longer than the context;
 - network (per step): the proxy delays every chunk (a slow network) or resets connections;
-- servers (per step, `--server-faults`): the second server killed and restarted, or paused (SIGSTOP)
-  for a few seconds, mid-step.
+- servers (per step, `--server-faults`): the second server killed and restarted (on its port, after
+  the step), or paused (SIGSTOP) for a few seconds, mid-step; each step records which servers the
+  router has taken out.
 
 Reported: faults injected by kind; per step the samples launched and how each is accounted for
 (completed, truncated, aborted, failed with a reason, carried over to the next step) and how many are
@@ -58,6 +59,7 @@ DEFINITIONS = {
     "resources": "sampled every --sample-every seconds: RSS (MB), open fds, live asyncio tasks, threads, "
                  "tool calls abandoned whose thread still runs",
     "growth": "last tenth of the run minus first tenth (means of the step-boundary samples)",
+    "growth_second_half": "last tenth minus the tenth that ends the first half (after warm-up)",
 }
 
 
@@ -286,6 +288,14 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                 return None
             return round(sum(r[key] for r in last) / len(last) - sum(r[key] for r in first) / len(first), 2)
 
+        def half_growth(key: str) -> float | None:
+            """After warm-up: the last tenth minus the tenth that ends the first half."""
+            n = len(steps)
+            if n < 10:
+                return None
+            mid = [s["resources"][key] for s in steps[n // 2 - n // 10: n // 2]]
+            return round(sum(r[key] for r in last) / len(last) - sum(mid) / len(mid), 2)
+
         out.update({
             "steps_requested": args.steps,
             "steps_completed": sum(1 for s in steps if s["error"] is None),
@@ -296,6 +306,7 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
             "accounted": {k: sum(s["accounted"].get(k, 0) for s in steps) for k in (*ACCOUNTED, "carried_over")},
             "lost": lost,
             "growth": {k: growth(k) for k in ("rss_mb", "fds", "tasks", "threads", "abandoned_tool_calls")},
+            "growth_second_half": {k: half_growth(k) for k in ("rss_mb", "fds", "tasks", "threads")},
             "max": {k: max((r[k] for r in samples), default=None) for k in ("rss_mb", "fds", "tasks", "threads",
                                                                             "abandoned_tool_calls")},
             "per_step": steps,
@@ -383,6 +394,8 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                         "launched": launched, "accounted": accounted, "lost": lost, "error": error,
                         "failed_reasons": dict(Counter((t.error or "")[:80] for t in trajs if t.status == "failed")),
                         "tool_errors": int(sum(t.metrics.get("tool_errors", 0) for t in trajs)),
+                        # Servers the router has taken out (url -> why) as the step ends.
+                        "servers_out": dict(getattr(getattr(rt.router, "stats", None), "removed", {}) or {}),
                         "resources": resources(t0),
                     })
                     print(f"step {step}/{args.steps}: {launched} launched, {dict(accounted)}, lost {lost}, "
