@@ -67,7 +67,37 @@ class EngineConfig(_Strict):
         default_factory=lambda: list(MEMORY_TAGS),
         description="Memory tags released at sleep (and resumed at wake-up).",
     )
-    request_timeout: float = Field(600.0, gt=0, description="Seconds one generate request may take.")
+    request_timeout: float = Field(
+        300.0, gt=0,
+        description="Seconds one generate request may take before it is retried on another server. Keep it well "
+        "under scheduler.trajectory_timeout, so a request stuck on a bad server leaves time to fail over.",
+    )
+    hung_timeout: float | None = Field(
+        60.0, gt=0,
+        description="Step watchdog: a server that has generate requests in flight, answers none of them for this many "
+        "seconds and does not answer a `/model_info` probe either is hung (a stopped or wedged process); it is taken "
+        "out of rotation and its requests are retried on the other servers, well inside scheduler.trajectory_timeout. "
+        "A server whose HTTP still answers is only slow: its requests keep request_timeout. None: no watchdog.",
+    )
+    liveness_timeout: float = Field(
+        5.0, gt=0,
+        description="Seconds a server has to answer the liveness probe (`/model_info`, safe in any memory state) "
+        "before each wake-up and sleep. A server that does not is taken out of the step; one out of rotation that "
+        "answers again is re-admitted in its real memory state and gets the step's weights.",
+    )
+    attach_state: Literal["auto", "awake", "asleep"] | list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(
+        "auto",
+        description="Memory state of the servers when the runtime attaches. auto: read the state the last runtime "
+        "recorded in each server's weight version (none recorded: awake, as a fresh server). awake (nothing released), "
+        "asleep (every tag released) or the list of released tags: say it yourself, for a server whose state is "
+        "unknown (a runtime killed during a release or resume call leaves that; the next run names the value to set).",
+    )
+    restore_on_stop: bool = Field(
+        True,
+        description="When the runtime stops, leave servers attached by URL in the memory state they were found in (a "
+        "server found awake is woken again with the weights of its model path, under the weight version it had). "
+        "False: leave them asleep (memory released), e.g. for a trainer that keeps the GPU afterwards.",
+    )
     keepalive_timeout: float = Field(
         2.0, gt=0,
         description="Seconds an idle HTTP connection to an engine server is kept for reuse. Must stay below the "
@@ -222,9 +252,6 @@ class RayConfig(_Strict):
     )
     max_worker_replacements: int = Field(4, ge=0, description="Dead workers replaced by fresh actors, at most this many.")
     max_worker_attempts: int = Field(3, ge=1, description="Workers one trajectory may be tried on before it fails.")
-    liveness_timeout: float = Field(
-        5.0, gt=0, description="Seconds a server has to answer the liveness probe before each wake-up and sleep."
-    )
 
 
 class RuntimeConfig(_Strict):

@@ -6,8 +6,11 @@ This module owns the engines' lifetime and the step sequence, nothing else:
   through `agentloop.engine.launch`, or `EngineClient` objects handed in. *How* each is obtained
   (processes, clients, tokenizer, the engines' context length) is `agentloop.engine_setup`; this
   module picks the mode, owns what was started, and puts one `Lifecycle` over all of them.
-  At `start()` the engines are put to sleep, so every step begins SLEEPING and wakes in stages (a
-  trainer colocated on the GPU needs that memory between steps).
+  At `start()` the lifecycle first learns each server's real memory state (`Lifecycle.attach`: a
+  server another run left asleep is never released twice), then the engines are put to sleep, so
+  every step begins SLEEPING and wakes in stages (a trainer colocated on the GPU needs that memory
+  between steps). `stop()` leaves servers it attached to by URL in the state it found them
+  (`Lifecycle.restore`, `engine.restore_on_stop`) and stops the ones it started.
 - **Per-runtime state built once**: tokenizer (the model folder, a configured path, or the servers'
   `model_info()["tokenizer_path"]`), tool registry, router, scheduler; the agents' context budget
   (`agent.max_context_tokens`) lowered to the smallest context length the engines report.
@@ -117,6 +120,11 @@ class Runtime:
         ecfg = self.config.engine
         if self.tools is None:  # a bad tools file is refused before any engine starts
             self.tools = self._load_tools()
+        tt = self.config.scheduler.trajectory_timeout
+        if tt is not None and ecfg.request_timeout >= tt:
+            log.warning("engine.request_timeout (%gs) >= scheduler.trajectory_timeout (%gs): a request stuck on a bad "
+                        "server times out only with its trajectory, leaving no time to retry it elsewhere (only the "
+                        "engine.hung_timeout watchdog can fail over); keep request_timeout well under it", ecfg.request_timeout, tt)
         try:
             if self._given_clients is not None:
                 self.clients = list(self._given_clients)
@@ -130,40 +138,53 @@ class Runtime:
             await self._fit_context_to_engines()
             self.lifecycle = Lifecycle(
                 self.clients,
-                awake=True,  # freshly started or attached servers serve their weights
                 staged=ecfg.staged,
                 release_tags=ecfg.release_tags,
                 reload_path=self.model_path,
                 settle_timeout=ecfg.settle_timeout,
                 stage_timeout=ecfg.stage_timeout,
+                liveness_timeout=ecfg.liveness_timeout,
+                attach_state=ecfg.attach_state,
             )
+            await self.lifecycle.attach()  # each server's real memory state, before any lifecycle call
             await self.lifecycle.sleep()
-            scfg = self.config.scheduler
-            self.router = Router(
-                self.lifecycle,
-                per_server_limit=scfg.per_server_concurrency,
-                max_retries=scfg.max_turn_retries,
-                failure_threshold=scfg.server_failure_threshold,
-                request_timeout=ecfg.request_timeout,
-            )
-            self.scheduler = Scheduler(
-                self.router,
-                tokenizer=self.tokenizer,
-                agent_config=self.config.agent,
-                config=scfg,
-                tools=self.tools,
-                interaction=self.interaction,
-                default_agent=self.config.agent.agent,
-                reward_fn=self.reward_fn,
-            )
+            await self._build_scheduler()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
             raise
         return self
 
+    async def _build_scheduler(self) -> None:
+        """The router over the lifecycle's gate and the scheduler over the router (RayRuntime's differ)."""
+        assert self.lifecycle is not None
+        scfg, ecfg = self.config.scheduler, self.config.engine
+        self.router = Router(
+            self.lifecycle.gate,
+            per_server_limit=scfg.per_server_concurrency,
+            max_retries=scfg.max_turn_retries,
+            failure_threshold=scfg.server_failure_threshold,
+            request_timeout=ecfg.request_timeout,
+        )
+        self.scheduler = Scheduler(
+            self.router,
+            tokenizer=self.tokenizer,
+            agent_config=self.config.agent,
+            config=scfg,
+            tools=self.tools,
+            interaction=self.interaction,
+            default_agent=self.config.agent.agent,
+            reward_fn=self.reward_fn,
+            hung_timeout=ecfg.hung_timeout,
+        )
+
+    @property
+    def attached(self) -> bool:
+        """Whether the engines are servers this runtime attached to (URLs or clients given), not its own."""
+        return not self.processes
+
     async def stop(self) -> None:
-        """Put the engines to sleep (if they are ours to keep) and stop what we started."""
+        """Leave servers attached to as they were found (`engine.restore_on_stop`), stop what we started."""
         with anyio.CancelScope(shield=True):
             await self._shutdown()
 
@@ -173,6 +194,12 @@ class Runtime:
                 await self.scheduler.aclose()
             except Exception as e:  # the engines must still be stopped
                 log.error("closing the agent loops failed: %s", e)
+        lc = self.lifecycle
+        if lc is not None and self.attached and self.config.engine.restore_on_stop:
+            try:
+                await lc.restore()
+            except Exception as e:  # say it, and stop anyway: the servers' marks say what state they are in
+                log.error("could not leave the engine servers as they were found: %s", e)
         for c in self.clients:
             with contextlib.suppress(Exception):
                 await c.close()
@@ -224,12 +251,7 @@ class Runtime:
     def _load_tools(self) -> Any:
         from .tools.registry import ToolRegistry
 
-        if self.config.agent.tools is not None:
-            return ToolRegistry.from_yaml(self.config.agent.tools)
-        from .tools.builtin import CalculatorTool
-
-        # The default is what the shipped tiny model was trained to call; more tools come from a YAML file.
-        return ToolRegistry([CalculatorTool()])
+        return ToolRegistry.load(self.config.agent.tools)
 
     # ------------------------------------------------------------------ the step
     async def step(
@@ -268,7 +290,7 @@ class Runtime:
                 raise ValueError(f"scheduler.reward: unknown reward function {cfg.reward!r}; registered: {registered_rewards()}")
         async with self._step_lock:
             lc = self.lifecycle
-            first_record = len(lc.records)
+            first_record, first_event = len(lc.records), len(lc.server_events)
             t0 = time.monotonic()
             version: str | None = None
             result: ScheduleResult | None = None
@@ -318,6 +340,15 @@ class Runtime:
                 stage_seconds=stages,
                 generations_outside_awake=lc.generations_outside_awake,
             )
+            # Servers that left or re-entered rotation during the step (probe, stage, router, watchdog). In
+            # place: Ray's metrics["ray"] shares the dict.
+            events = lc.server_events[first_event:]
+            removed = metrics.setdefault("servers_removed", {})
+            for e in events:
+                if e["event"] == "out":
+                    removed.setdefault(e["url"], e["reason"])
+            metrics["servers_readmitted"] = [e["url"] for e in events if e["event"] == "in"]
+            metrics["servers_out_of_rotation"] = lc.out_of_rotation
             return StepResult(
                 step=self.steps_done, weight_version=version, trajectories=rows, batch=batch,
                 carry_over=result.carry_over, metrics=metrics, rejected=result.rejected,

@@ -10,6 +10,9 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
 - **Timeouts**: past `trajectory_timeout` a trajectory is stopped (its in-flight request aborted by rid,
   later generates not dispatched) so the loop returns its partial result, marked `failed` with the
   error; if it has not returned `abort_grace` seconds later it is cancelled.
+- **Hung servers**: with `hung_timeout`, a watchdog takes out any server that has requests in flight and
+  answers none of them for that long nor a `/model_info` probe (a stopped or wedged process); its requests are retried on the
+  other servers by the router, so the step fails over well inside `trajectory_timeout`.
 - **Failure isolation**: an exception in one loop becomes that trajectory's `failed` status and error;
   the others go on. Results come back in input order.
 - **Rewards**: completed and truncated trajectories are scored by `agentloop.rewards.score` with the
@@ -119,6 +122,7 @@ class Scheduler:
         default_agent: str | None = None,
         reward_fn: RewardFn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hung_timeout: float | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -131,6 +135,9 @@ class Scheduler:
         #: None: each sample's named reward function.
         self.reward_fn = reward_fn
         self.clock = clock
+        #: The step watchdog: a server with requests in flight that answers none for this long is hung
+        #: and taken out (its requests retried elsewhere). None: no watchdog.
+        self.hung_timeout = hung_timeout
         self._agents: dict[str, AgentLoop] = {}
         self._runs: list[_ScheduleRun] = []
 
@@ -210,12 +217,14 @@ class _ScheduleRun:
         async with anyio.create_task_group() as outer:
             if self.cfg.trajectory_timeout is not None:
                 outer.start_soon(self._watch_deadlines)
+            if self.s.hung_timeout is not None:
+                outer.start_soon(self._watch_servers, self.s.hung_timeout)
             async with anyio.create_task_group() as tg:
                 self.tg = tg
                 for i in range(len(self.jobs)):
                     tg.start_soon(self._one, i, self.limit, t0)
                 self._refill()  # fewer groups given than the target: draw the rest now
-            outer.cancel_scope.cancel()  # every trajectory is done: the deadline watcher ends
+            outer.cancel_scope.cancel()  # every trajectory is done: the watchers end
         wall = self.clock() - t0
         return self._result(wall)
 
@@ -304,6 +313,13 @@ class _ScheduleRun:
         heapq.heappush(self.deadlines, (deadline, i))
         if self.deadlines[0][1] == i:
             self._deadline_added.set()  # an earlier deadline than the watcher sleeps for
+
+    async def _watch_servers(self, hung_timeout: float) -> None:
+        """The step watchdog (one task per run): takes out servers that stopped answering (see `Router.take_out_stalled`),
+        checked a few times per `hung_timeout` so a hung server is found at most a quarter of it late."""
+        while True:
+            await anyio.sleep(min(5.0, hung_timeout / 4))
+            await self.s.router.take_out_stalled(hung_timeout)
 
     async def _watch_deadlines(self) -> None:
         """One task for the whole run (not one per trajectory): stops trajectories past their timeout."""

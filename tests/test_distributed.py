@@ -40,7 +40,8 @@ ray = pytest.importorskip("ray")
 
 from agentloop.config import RuntimeConfig  # noqa: E402
 from agentloop.data import arithmetic_prompts  # noqa: E402
-from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerGate, WorkerStartError  # noqa: E402
+from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerStartError  # noqa: E402
+from agentloop.engine.gate import Gate  # noqa: E402
 from agentloop.engine.base import EngineError, GenerateOutput, SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import EngineState, LifecycleError  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
@@ -143,20 +144,19 @@ async def test_worker_gate_follows_the_driver_and_never_drives_engines() -> None
     import anyio
 
     engine = _Engine()
-    gate = WorkerGate([engine])  # type: ignore[list-item]
+    gate = Gate([engine])  # type: ignore[list-item]
     assert gate.state is EngineState.SLEEPING
     with pytest.raises(TimeoutError):  # closed: the generate waits at the gate
         await gate.generate(engine.url, [1, 2], SamplingParams(max_new_tokens=1), gate_timeout=0.2)
     assert engine.generates == 0
-    gate.open("v1")
+    await gate.open("v1")
     assert (await gate.generate(engine.url, [1, 2], SamplingParams(max_new_tokens=1))).output_ids == [1]
-    assert gate.close() == 0 and gate.state is EngineState.DRAINING
+    assert await gate.close() == 0 and gate.state is EngineState.DRAINING
     with anyio.move_on_after(0.2):
         await gate.generate(engine.url, [1], SamplingParams(max_new_tokens=1))
     assert engine.generates == 1  # the generate sent while DRAINING never left the gate
-    for transition in (gate.wake_up(), gate.sleep()):
-        with pytest.raises(LifecycleError, match="driver"):
-            await transition
+    # a gate has no way to drive an engine: no wake-up, no sleep, no memory call
+    assert not any(hasattr(gate, name) for name in ("wake_up", "sleep", "release", "resume"))
 
 
 # ---------------------------------------------------------------------- engine placement

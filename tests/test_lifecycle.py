@@ -15,6 +15,7 @@ import pytest
 
 from agentloop.engine.base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
 from agentloop.engine.lifecycle import EngineState, Lifecycle, LifecycleError, Weights
+from agentloop.engine.lifecycle_types import MemoryMark
 
 pytestmark = pytest.mark.anyio
 
@@ -40,6 +41,7 @@ class RecordingEngine:
         self.fail_next: dict[str, Exception] = {}
         self.busy_flushes = 0
         self.generates_while_invalid = 0
+        self.marks: list[str] = []
 
     def _maybe_fail(self, op: str) -> None:
         if op in self.fail_next:
@@ -131,6 +133,11 @@ class RecordingEngine:
         self.calls.append(("model_info", None))
         return {"model_path": "/models/policy", "weight_version": self.weight_version}
 
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """SGLang's: sets the version string only (the lifecycle's memory marks go here)."""
+        self.marks.append(new_version)
+        self.weight_version = new_version
+
     async def server_info(self) -> dict[str, Any]:
         return {}
 
@@ -138,7 +145,8 @@ class RecordingEngine:
         pass
 
     def ops(self) -> list[str]:
-        return [c[0] for c in self.calls]
+        """The lifecycle's calls, without the liveness probes (`/model_info`) around them."""
+        return [c[0] for c in self.calls if c[0] != "model_info"]
 
 
 P = SamplingParams(max_new_tokens=3)
@@ -154,8 +162,9 @@ async def test_two_steps_staged_order_and_versions() -> None:
         v = await lc.wake_up({"w": object()})
         assert v == f"v{step}" and lc.state is EngineState.AWAKE
         assert eng.ops()[:3] == ["resume", "update_tensor", "resume"]
-        assert eng.calls[0][1] == ("weights",)
-        assert set(eng.calls[2][1]) == {"kv_cache", "cuda_graph"}
+        calls = [c for c in eng.calls if c[0] != "model_info"]
+        assert calls[0][1] == ("weights",)
+        assert set(calls[2][1]) == {"kv_cache", "cuda_graph"}
         out = await lc.generate(eng.url, [1, 2], P, rid=f"r{step}")
         assert out.weight_version == f"v{step}"
         await lc.sleep()
@@ -436,17 +445,22 @@ async def test_fan_out_to_many_engines_and_one_stage_mode() -> None:
     assert all(e.generates_while_invalid == 0 for e in engines)
 
 
-async def test_dead_engine_in_a_stage_names_it() -> None:
+async def test_a_server_failing_a_stage_is_taken_out_and_the_others_go_on() -> None:
     a, b = RecordingEngine("http://a"), RecordingEngine("http://b")
     lc = Lifecycle([a, b], awake=True)
     await lc.sleep()
     b.fail_next["resume"] = EngineUnavailable("/resume_memory_occupation", None, "connection refused", url=b.url)
-    with pytest.raises(LifecycleError) as ei:
-        await lc.wake_up({"w": 1})
-    assert ei.value.url == "http://b"
-    lc.remove_server("http://b")
-    await lc.wake_up({"w": 1})
+    await lc.wake_up({"w": 1})  # b is taken out; a wakes
     assert lc.state is EngineState.AWAKE and lc.urls == ["http://a"]
+    assert "resume_weights" in lc.out_of_rotation["http://b"] and "connection refused" in lc.out_of_rotation["http://b"]
+    assert [e["event"] for e in lc.server_events] == ["out"]
+    await lc.generate(a.url, [1], P)
+    await lc.sleep()
+    # every server failing a stage: nothing is taken out, the error names each server and why
+    a.fail_next["resume"] = EngineError("/resume_memory_occupation", 500, "boom", url=a.url)
+    with pytest.raises(LifecycleError, match="resume_weights.*boom"):
+        await lc.wake_up({"w": 2})
+    assert lc.urls == ["http://a"]
 
 
 def test_bad_arguments_are_clear() -> None:
@@ -456,3 +470,125 @@ def test_bad_arguments_are_clear() -> None:
         Lifecycle([])
     with pytest.raises(TypeError, match="state dict, a path"):
         Weights.coerce(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- attach state (issue #14)
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs in the dead runtime."""
+
+
+class KillableEngine(RecordingEngine):
+    """A RecordingEngine that, like SGLang, crashes for good on a double release or a resume of
+    resident memory, and whose runtime "dies" at its `kill_at`-th lifecycle call (before or after it)."""
+
+    CALLS = ("release_memory_occupation", "resume_memory_occupation", "update_weights_from_disk",
+             "update_weights_from_tensor", "pause_generation", "continue_generation", "flush_cache",
+             "update_weight_version")
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.crashed: str | None = None
+        self.kill_at: tuple[int, str] | None = None
+        self.count = 0
+        for name in self.CALLS:
+            setattr(self, name, self._killable(getattr(self, name)))
+
+    def _killable(self, inner: Any) -> Any:
+        async def call(*a: Any, **kw: Any) -> Any:
+            if self.crashed:
+                raise EngineUnavailable("/", None, f"server crashed earlier: {self.crashed}", url=self.url)
+            self.count += 1
+            if self.kill_at == (self.count, "before"):
+                raise Killed()
+            try:
+                out = await inner(*a, **kw)
+            except EngineError as e:
+                if "already released" in e.message or "KeyError" in e.message:
+                    self.crashed = e.message  # what real SGLang does
+                raise
+            if self.kill_at == (self.count, "after"):
+                raise Killed()
+            return out
+        return call
+
+
+async def two_lifecycle_steps(lc: Lifecycle, eng: RecordingEngine) -> None:
+    for step in range(2):
+        await lc.wake_up(None)
+        assert (await lc.generate(eng.url, [1], P)).weight_version == "default"
+        await lc.sleep()
+
+
+async def test_attach_reads_the_state_the_last_lifecycle_recorded_in_the_server() -> None:
+    eng = KillableEngine()
+    lc = Lifecycle([eng])
+    await lc.attach()  # a fresh server: awake
+    await lc.sleep()
+    assert MemoryMark.decode(eng.weight_version) == MemoryMark("default", frozenset(eng.released))
+    lc2 = Lifecycle([eng])  # another runtime attaches to the asleep server: releases nothing twice
+    await lc2.attach()
+    assert lc2.state is EngineState.SLEEPING
+    await lc2.sleep()
+    await two_lifecycle_steps(lc2, eng)
+    await lc2.restore()  # found asleep: stays asleep
+    assert eng.released == {"weights", "kv_cache", "cuda_graph"} and eng.crashed is None
+    lc3 = Lifecycle([eng], attach_state="asleep")  # told the state: believed
+    await lc3.attach()
+    await two_lifecycle_steps(lc3, eng)
+    assert eng.crashed is None
+
+
+async def test_runtimes_in_sequence_leave_the_server_as_found() -> None:
+    eng = KillableEngine()
+    for _ in range(3):
+        lc = Lifecycle([eng])
+        await lc.attach()
+        await lc.sleep()
+        await two_lifecycle_steps(lc, eng)
+        await lc.restore()
+        assert eng.released == set() and eng.weights_valid and eng.weight_version == "default"
+        assert (await eng.generate([1], P)).output_ids == [7] * 3
+    assert eng.crashed is None and eng.generates_while_invalid == 0
+
+
+def _is_killed(e: BaseException) -> bool:
+    return isinstance(e, Killed) or any(_is_killed(x) for x in getattr(e, "exceptions", ()))
+
+
+def _kill_points() -> list[tuple[int, str]]:
+    return [(k, w) for k in range(1, 40) for w in ("before", "after")]
+
+
+@pytest.mark.parametrize("kill_at", _kill_points(), ids=[f"{k}-{w}" for k, w in _kill_points()])
+async def test_a_lifecycle_killed_at_any_call_leaves_a_server_the_next_one_recovers_or_refuses_exactly(
+        kill_at: tuple[int, str]) -> None:
+    """Every call of start (attach + sleep), two steps and a stop, killed before it is sent or after
+    it was answered: the next lifecycle never crashes the server; it recovers, or refuses naming the
+    remedy (the killed call's effect cannot be known: this engine, like SGLang, cannot report it)."""
+    eng = KillableEngine()
+    eng.kill_at = kill_at
+    lc = Lifecycle([eng])
+    try:
+        await lc.attach()
+        await lc.sleep()
+        await two_lifecycle_steps(lc, eng)
+        await lc.restore()
+        return  # the run had fewer calls than kill_at
+    except BaseException as e:  # Killed, possibly inside a task group's exception group
+        if not _is_killed(e):
+            raise
+    eng.kill_at = None
+    nxt = Lifecycle([eng])
+    try:
+        await nxt.attach()
+    except LifecycleError as e:
+        assert "Restart the server" in str(e) and "engine.attach_state" in str(e)
+        # the message names the setting for either outcome; the person who reads it knows which happened
+        truth = nxt._as_setting(eng.released)
+        assert f"engine.attach_state: {truth} if" in str(e) or f", {truth} if it did not" in str(e), str(e)
+        nxt = Lifecycle([eng], attach_state=sorted(eng.released))
+        await nxt.attach()
+    await nxt.sleep()
+    await two_lifecycle_steps(nxt, eng)
+    await nxt.restore()
+    assert eng.crashed is None and eng.generates_while_invalid == 0

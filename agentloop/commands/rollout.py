@@ -17,7 +17,7 @@ Exit status: 0 done; 1 the engines failed (unreachable URL, a lifecycle stage fa
 settings or data; 74 an output file could not be written (disk full, I/O error: the run stops as on
 Ctrl-C, `trajectories.jsonl.partial` keeps whole lines only, and whatever else can be written is; the
 message says where the data is); 130 interrupted (Ctrl-C / SIGTERM: in-flight requests aborted, the
-engines left asleep or stopped, finished and partial trajectories and a summary of them written).
+engines left as they were found or stopped, finished and partial trajectories and a summary of them written).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 `RayRuntime` is `agentloop.runtime.Runtime` with the same `step` and the same `StepResult`; see
 `docs/distributed.md` for running it on a cluster. Modules:
 
-- `runtime.py`: the driver (`RayRuntime`, the fanned-out lifecycle, the remote scheduler); its
+- `runtime.py`: the driver (`RayRuntime`, the remote scheduler; the lifecycle is the ordinary one); its
   settings are `agentloop.config.RayConfig` (`RuntimeConfig.ray`), re-exported here;
 - `pool.py`: handing trajectories to workers as they free up, and surviving worker deaths;
-- `worker.py`: the worker actor (its gate, its router, its scheduler);
+- `pool.py` is also the lifecycle's `GateControl` over every worker's gate;
+- `worker.py`: the worker actor (its `Gate`, its router, its scheduler);
 - `engines.py`: engine server actors (CPU engine or SGLang) and GPU placement groups.
 
 Needs `ray` (`pip install 'agentloop[ray]'`) and the asyncio event loop.
@@ -14,10 +15,10 @@ Needs `ray` (`pip install 'agentloop[ray]'`) and the asyncio event loop.
 
 from .engines import EngineFleet, EngineServer, EngineSpec
 from .pool import NoWorkerError, WorkerPool, WorkerStartError
-from .runtime import FanOutLifecycle, RayConfig, RayRuntime, RayScheduler, RemoteAgent
-from .worker import PinnedRouter, RolloutWorker, WorkerGate
+from .runtime import RayConfig, RayRuntime, RayScheduler, RemoteAgent
+from .worker import PinnedRouter, RolloutWorker
 
 __all__ = [
-    "EngineFleet", "EngineServer", "EngineSpec", "FanOutLifecycle", "NoWorkerError", "PinnedRouter", "RayConfig",
-    "RayRuntime", "RayScheduler", "RemoteAgent", "RolloutWorker", "WorkerGate", "WorkerPool", "WorkerStartError",
+    "EngineFleet", "EngineServer", "EngineSpec", "NoWorkerError", "PinnedRouter", "RayConfig",
+    "RayRuntime", "RayScheduler", "RemoteAgent", "RolloutWorker", "WorkerPool", "WorkerStartError",
 ]

@@ -6,8 +6,9 @@ This module owns *which worker runs a trajectory* and what happens when a worker
   its own) is handed to the live worker with the fewest trajectories in flight, and only when that
   worker has a free slot (`capacity` each), so a worker that finishes early simply gets the next one
   and slow trajectories never hold a pre-assigned chunk hostage.
-- **The gate fan-out.** `open_gates` / `close_gates` / `settle` set every worker's `WorkerGate`
-  from the driver's lifecycle and wait for all of them (one step, like the lifecycle's own stages).
+- **The gate fan-out.** The pool is the driver lifecycle's `GateControl` for every worker at once:
+  `open` / `close` / `mark_sleeping` / `wait_settled` / `take_out` / `admit` move every worker's gate
+  and wait for all of them (one step, like the lifecycle's own stages).
 - **Faults.** A call that fails with `RayActorError` (the worker died: killed, OOM, node lost) marks
   the worker dead, records the trajectory in `retried`, and runs it again from its start on another
   worker (the engine server it was bound to stays the same, so the prefix cache is still warm). A
@@ -91,6 +92,8 @@ class WorkerPool:
         self.replacements = 0
         self.gate_version: str | None = None
         self.gate_open = False
+        #: servers out of rotation (url → why), so a replacement worker starts with the others' view
+        self.out: dict[str, str] = {}
         self.events = PoolEvents()
         self._next_index = 0
         self._freed = anyio.Event()
@@ -152,6 +155,8 @@ class WorkerPool:
             self.replacements += 1
             async with self._gate_lock:  # the newcomer's gate must match the others'
                 new = self._spawn()
+                for url, reason in self.out.items():
+                    await new.handle.take_out.remote(url, reason)
                 if self.gate_open:
                     await new.handle.open_gate.remote(self.gate_version)
             self.events.replaced.append({"dead": w.index, "new": new.index})
@@ -174,27 +179,34 @@ class WorkerPool:
                 tg.start_soon(one, k)
         return out
 
-    async def open_gates(self, weight_version: str | None) -> None:
+    async def open(self, weight_version: str | None) -> None:
         async with self._gate_lock:
             self.gate_version, self.gate_open = weight_version, True
             await self._each(lambda h: h.open_gate.remote(weight_version))
 
-    async def close_gates(self) -> int:
+    async def close(self) -> int:
         """Close every worker's gate (awaited on all); returns their requests still in flight."""
         async with self._gate_lock:
             self.gate_open = False
             counts = await self._each(lambda h: h.close_gate.remote())
         return sum(c or 0 for c in counts)
 
-    async def settle(self, url: str, timeout: float) -> int:
+    async def wait_settled(self, url: str, timeout: float) -> int:
         counts = await self._each(lambda h: h.wait_settled.remote(url, timeout))
         return sum(c or 0 for c in counts)
 
     async def mark_sleeping(self) -> None:
         await self._each(lambda h: h.mark_sleeping.remote())
 
-    async def remove_server(self, url: str, reason: str) -> None:
-        await self._each(lambda h: h.remove_server.remote(url, reason))
+    async def take_out(self, url: str, reason: str) -> None:
+        async with self._gate_lock:
+            self.out[url] = reason
+            await self._each(lambda h: h.take_out.remote(url, reason))
+
+    async def admit(self, url: str) -> None:
+        async with self._gate_lock:
+            self.out.pop(url, None)
+            await self._each(lambda h: h.admit.remote(url))
 
     async def stats(self, *, times: bool = False) -> list[dict[str, Any]]:
         return [s for s in await self._each(lambda h: h.stats.remote(times)) if s is not None]

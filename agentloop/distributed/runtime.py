@@ -5,12 +5,13 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
 
 - **Engines** are `EngineServer` actors (`engines.py`): CPU engines for the embedded mode, SGLang
   servers on a placement group for `engine.launch`; `engine.urls` attaches to running servers.
-- **One lifecycle over all engines, in the driver** (`FanOutLifecycle`): every stage fans out to every
-  server and is awaited as one. The gate holds for all workers: `wake_up` opens the workers' gates only
-  after the last stage finished on every engine, and `sleep` first closes every worker's gate (awaited)
-  before it pauses any engine, then its settle stage waits for the workers' aborted requests too. So
-  a worker can only dispatch while the driver's lifecycle is AWAKE; on top of that the driver hands
-  out trajectories only inside `step` after `wake_up` returned.
+- **One lifecycle over all engines, in the driver**: the `Lifecycle` that `Runtime.start` builds (no
+  subclass). The `WorkerPool` is added to it as one more `GateControl`, so every transition moves every
+  worker's gate too: `wake_up` opens the workers' gates only after the last stage finished on every
+  engine, and `sleep` first closes every worker's gate (awaited) before it pauses any engine, then
+  its settle stage waits for the workers' aborted requests too. So a worker can only dispatch while
+  the driver's lifecycle is AWAKE; on top of that the driver hands out trajectories only inside
+  `step` after `wake_up` returned.
 - **The driver's scheduler is the ordinary `Scheduler`** (GRPO groups, over-sampling and early stop,
   carry-over, results in input order, metrics), whose agent loop is a `RemoteAgent`: it binds the
   trajectory to a server with the driver's `Router` (least-loaded over every worker's trajectories,
@@ -18,10 +19,10 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
   `WorkerPool` run it on whichever worker has a free slot. The worker runs the real agent loop
   through its own `Scheduler` (timeouts, failure isolation, reward) and hands back the trajectory.
 - **Faults**: a worker that dies mid-step has its unfinished trajectories re-run elsewhere; a server
-  that dies is taken out (by the worker that saw it fail, or by the liveness probe before each
-  wake-up and sleep). The step's metrics say what was retried (`retried`), which workers died
-  (`worker_deaths`) and which servers were taken out (`servers_removed`), at the top level and, with
-  the rest of the Ray counters, under `metrics["ray"]`.
+  that dies is taken out (by the worker that saw it fail, or by the lifecycle's liveness probe before
+  each wake-up and sleep) and re-admitted when it answers again. The step's metrics say what was
+  retried (`retried`), which workers died (`worker_deaths`) and which servers were taken out
+  (`servers_removed`), at the top level and, with the rest of the Ray counters, under `metrics["ray"]`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from ray import cloudpickle
 
 from ..agents.base import AgentContext, AgentLoop
 from ..config import RayConfig, RuntimeConfig, SchedulerConfig
-from ..engine.base import EngineClient, EngineError
-from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
+from ..engine.base import EngineClient
+from ..engine.lifecycle import EngineState
 from ..engine.router import RouteSession, Router
 from ..runtime import AgentloopError, Runtime, StepResult
 from ..scheduler import ScheduleResult, Scheduler
@@ -52,47 +53,7 @@ from .pool import PoolEvents, WorkerPool, default_capacity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FanOutLifecycle", "RayConfig", "RayRuntime", "RayScheduler", "RemoteAgent"]
-
-
-class FanOutLifecycle(Lifecycle):
-    """The driver's lifecycle over every engine, with every worker's gate following it."""
-
-    def __init__(self, clients: Sequence[EngineClient], pool: WorkerPool, *,
-                 prune: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
-        super().__init__(clients, **kwargs)
-        self.pool = pool
-        self.prune = prune
-        #: Wall-clock spans during which the workers' gates were open: [gates opened, gates closing).
-        #: Each starts after the driver reached AWAKE and ends before it leaves AWAKE (checked by tests).
-        self.gate_windows: list[list[float]] = []
-
-    async def wake_up(self, weights: Any = None) -> str | None:
-        if self.prune is not None and self.state is not EngineState.AWAKE:
-            await self.prune()
-        version = await super().wake_up(weights)
-        if not self.gate_windows or len(self.gate_windows[-1]) == 2:
-            self.gate_windows.append([time.time()])
-        await self.pool.open_gates(version)  # only now: every engine finished its last wake-up stage
-        return version
-
-    async def sleep(self) -> None:
-        if self.state is EngineState.SLEEPING:
-            return
-        await self.pool.close_gates()  # before any engine is paused: no worker dispatches from here on
-        if self.gate_windows and len(self.gate_windows[-1]) == 1:
-            self.gate_windows[-1].append(time.time())
-        if self.prune is not None:
-            await self.prune()
-        await super().sleep()
-        await self.pool.mark_sleeping()
-
-    async def _settle(self, s: Any) -> None:
-        await super()._settle(s)
-        left = await self.pool.settle(s.client.url, self.settle_timeout)
-        if left:
-            raise LifecycleError("settle", f"{left} requests of rollout workers still in flight after "
-                                 f"{self.settle_timeout:.0f}s", url=s.client.url)
+__all__ = ["RayConfig", "RayRuntime", "RayScheduler", "RemoteAgent"]
 
 
 async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float | None = None) -> float | None:
@@ -114,7 +75,7 @@ class RemoteAgent(AgentLoop):
         if not isinstance(session, RouteSession):
             raise TypeError(f"RemoteAgent needs the driver's RouteSession as ctx.generate, got {type(session).__name__}")
         # Least-loaded live server over all workers' trajectories; the binding lasts for the trajectory.
-        url = session._current_server()
+        url = session.current_server()
         job = dataclasses.replace(sample, agent=self.agent)
         s = self.scheduler
         return await s.pool.run(job, url, session, s.worker_config, timeout=s.call_timeout)
@@ -230,26 +191,25 @@ class RayRuntime(Runtime):
         if not ray.is_initialized():
             _init_ray(rc)
             self._owns_ray = True
-        await super().start()  # engines (as actors, below), tokenizer, one lifecycle; engines put to sleep
-        try:
-            await self._distribute()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._shutdown()
-            raise
+        # engines (as actors, below), tokenizer, the one lifecycle (engines put to sleep), then the
+        # workers and the scheduler (`_build_scheduler`, below)
+        await super().start()
         return self
 
-    async def _distribute(self) -> None:
+    async def _build_scheduler(self) -> None:
+        """The workers (whose gates the lifecycle then moves too), the driver's router and scheduler."""
+        lc = self.lifecycle
+        assert lc is not None and lc.state is EngineState.SLEEPING
         rc, cfg = self.ray_config, self.config
         scfg, ecfg = cfg.scheduler, cfg.engine
         tokenizer_ref = ray.put(self.tokenizer)
         tools_ref = ray.put(self._given_tools) if self._given_tools is not None else None
         cfg_json = cfg.model_dump(mode="json")
+        all_urls = [c.url for c in self.clients]
 
         def make_args(index: int) -> tuple[Any, ...]:
-            urls = self.lifecycle.urls if self.lifecycle is not None else [c.url for c in self.clients]
-            return (index, cfg_json, list(urls), tokenizer_ref, self.tools_factory, self.reward_fn, self.interaction,
-                    tools_ref)
+            return (index, cfg_json, all_urls, lc.out_of_rotation, tokenizer_ref, self.tools_factory, self.reward_fn,
+                    self.interaction, tools_ref)
 
         self.pool = WorkerPool(
             num_workers=rc.num_workers,
@@ -261,18 +221,10 @@ class RayRuntime(Runtime):
             on_server_removed=self._server_removed,
         )
         await self.pool.ready(timeout=ecfg.start_timeout)
-        first = self.lifecycle
-        assert first is not None and first.state is EngineState.SLEEPING
-        lc = FanOutLifecycle(
-            self.clients, self.pool, prune=self._prune_dead_servers,
-            awake=False,  # Runtime.start just put every engine to sleep (all release tags released)
-            staged=ecfg.staged, release_tags=ecfg.release_tags, reload_path=self.model_path,
-            settle_timeout=ecfg.settle_timeout, stage_timeout=ecfg.stage_timeout,
-        )
-        lc.records = first.records
-        lc.weight_version = first.weight_version
-        self.lifecycle = lc
-        self.router = Router(lc, max_retries=scfg.max_turn_retries, failure_threshold=scfg.server_failure_threshold,
+        lc.add_gates(self.pool)
+        # The driver's router is the global balancer (it binds trajectories to servers); the per-server
+        # limit is enforced by each worker's own router.
+        self.router = Router(lc.gate, max_retries=scfg.max_turn_retries, failure_threshold=scfg.server_failure_threshold,
                              request_timeout=ecfg.request_timeout)
         self.scheduler = RayScheduler(
             self.router, self.pool, tokenizer=self.tokenizer, agent_config=cfg.agent,
@@ -315,42 +267,11 @@ class RayRuntime(Runtime):
 
     # ------------------------------------------------------------------ servers that die
     async def _server_removed(self, url: str, reason: str) -> None:
-        """Take `url` out of the driver's lifecycle and router, and tell every worker."""
+        """A worker took `url` out: take it out of the driver's lifecycle too (which tells every gate).
+        Like a router, the driver keeps the last server in rotation; its failures fail the trajectories."""
         lc = self.lifecycle
-        if lc is None or url not in lc.urls or self.router is None:
-            return
-        try:
-            lc.remove_server(url)
-        except LifecycleError as e:  # the last server: keep it; its failures fail the trajectories
-            log.error("cannot take out %s: %s", url, e)
-            return
-        self.router.stats.removed[url] = reason
-        log.warning("engine server %s taken out: %s", url, reason)
-        if self.pool is not None:
-            await self.pool.remove_server(url, reason)
-
-    async def _prune_dead_servers(self) -> None:
-        """Liveness probe of every server (`/model_info`: never a generate, safe in any memory state)."""
-        lc = self.lifecycle
-        assert lc is not None
-        for client in list(lc.clients):
-            error: str | None = None
-            try:
-                with anyio.fail_after(self.ray_config.liveness_timeout):
-                    await client.model_info()
-            except (EngineError, TimeoutError, OSError) as e:
-                error = f"{type(e).__name__}: {e}"
-            if error is not None:
-                await self._server_removed(client.url, f"failed the liveness probe ({error})")
-
-    # ------------------------------------------------------------------ the step
-    async def step(self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any) -> StepResult:
-        """`Runtime.step`; `metrics["servers_removed"]` also names servers the sleep's liveness probe
-        found dead (it runs after the scheduler reported its metrics)."""
-        result = await super().step(samples, weights, **kwargs)
-        if self.router is not None:
-            result.metrics.setdefault("servers_removed", {}).update(self.router.stats.removed)  # in place: "ray" shares it
-        return result
+        if lc is not None and url in lc.urls and len(lc.urls) > 1:
+            await lc.take_out(url, reason)
 
     # ------------------------------------------------------------------ introspection
     async def worker_stats(self, *, times: bool = False) -> list[dict[str, Any]]:

@@ -2,20 +2,21 @@
 
 This module owns what happens inside one worker process:
 
-- `WorkerGate`: the worker's copy of the lifecycle gate. It is a `Lifecycle` whose state only the
-  driver sets (`open` after the driver's staged wake-up completed on every engine, `close` before the
-  driver's sleep touches any engine); it never releases, resumes or loads anything itself. Every
-  generate of the worker goes through `WorkerGate.generate`, so a worker cannot dispatch unless the
-  driver's lifecycle is AWAKE. It counts requests in flight per server, so the driver's sleep can wait
-  for the workers' aborted requests to settle before it flushes and releases memory.
+- The worker's **gate** is a plain `agentloop.engine.gate.Gate`: it never drives an engine; only the
+  driver's `Lifecycle` moves it (through the `WorkerPool`, the lifecycle's `GateControl` for all
+  workers): opened after the driver's staged wake-up completed on every engine, closed before the
+  driver's sleep touches any engine. Every generate of the worker goes through it, so a worker cannot
+  dispatch unless the driver's lifecycle is AWAKE, and it counts requests in flight per server, so
+  the driver's sleep can wait for the workers' aborted requests to settle before it flushes and
+  releases memory.
 - `PinnedRouter`: the ordinary `Router` (retries on another server, dead-server removal, per-server
   limit, gate) whose trajectories start on the server the driver's global balancer chose for them,
   and which can stop one trajectory by uid (the driver's early stop or a sleep mid-step).
 - `RolloutWorker`: the actor. `run(job, url, cfg)` runs one trajectory through `Scheduler.run` (agent
-  loop, timeouts, failure isolation, reward) and returns it; many `run` calls are in flight at once
-  on the actor's event loop. Tools, tokenizer and agents are built once per worker (tools: the
-  registry the driver's caller gave, unpickled here as this worker's own copy; else `tools_factory`;
-  else `agent.tools` / the built-in ones).
+  loop, timeouts, failure isolation, reward, step watchdog) and returns it; many `run` calls are in
+  flight at once on the actor's event loop. Clients come from `engine_setup.make_client` and tools from
+  `ToolRegistry.load` (the functions the driver's `Runtime` uses), unless the driver's caller gave a
+  registry (unpickled here as this worker's own copy) or a `tools_factory`.
 """
 
 from __future__ import annotations
@@ -23,71 +24,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping
 
 import anyio
 
 from ..config import RuntimeConfig, SchedulerConfig
-from ..engine.base import EngineClient
-from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError
+from ..engine.gate import Gate
 from ..engine.router import RouteSession, Router
+from ..engine_setup import make_client
 from ..scheduler import Scheduler
+from ..tools.registry import ToolRegistry
 from ..types import Sample
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PinnedRouter", "RolloutWorker", "WorkerGate"]
-
-
-class WorkerGate(Lifecycle):
-    """The gate of one worker, following the driver's lifecycle (see the module docstring)."""
-
-    def __init__(self, clients: Sequence[EngineClient], **kwargs: Any) -> None:
-        super().__init__(clients, awake=False, **kwargs)
-        for s in self._servers.values():
-            s.released = set()  # memory is the driver's business; the gate only tracks AWAKE or not
-        self.opened_at: deque[float] = deque(maxlen=1000)
-        self.closed_at: deque[float] = deque(maxlen=1000)
-
-    def open(self, weight_version: str | None) -> None:
-        """The driver's lifecycle is AWAKE with `weight_version`: let generations through."""
-        self.weight_version = weight_version
-        self.opened_at.append(time.time())
-        self._set_state(EngineState.AWAKE)
-
-    def close(self) -> int:
-        """The driver is about to sleep: new generations wait from now on. Returns requests in flight."""
-        if self._state is EngineState.AWAKE:
-            self.closed_at.append(time.time())
-        self._set_state(EngineState.DRAINING)
-        return self.in_flight()
-
-    def mark_sleeping(self) -> None:
-        self._set_state(EngineState.SLEEPING)
-
-    async def wait_settled(self, url: str, timeout: float) -> int:
-        """Wait until no request of this worker is in flight on `url`; returns how many still are."""
-        server = self._servers.get(url)
-        if server is None:
-            return 0
-        with anyio.move_on_after(timeout):
-            while server.in_flight > 0:
-                server.settled = anyio.Event()
-                await server.settled.wait()
-        return server.in_flight
-
-    async def wake_up(self, weights: Any = None) -> str | None:
-        raise LifecycleError("wake_up", "a worker's gate follows the driver's lifecycle; wake the engines from the driver")
-
-    async def sleep(self) -> None:
-        raise LifecycleError("sleep", "a worker's gate follows the driver's lifecycle; put the engines to sleep from the driver")
+__all__ = ["PinnedRouter", "RolloutWorker"]
 
 
 class PinnedRouter(Router):
     """`Router` whose trajectories start on the server the driver chose (`pin`), stoppable by uid."""
 
-    def __init__(self, lifecycle: Lifecycle, **kwargs: Any) -> None:
-        super().__init__(lifecycle, **kwargs)
+    def __init__(self, gate: Gate, **kwargs: Any) -> None:
+        super().__init__(gate, **kwargs)
         self._pins: dict[str, str] = {}
         self._stops: dict[str, str] = {}
         self.sessions: dict[str, RouteSession] = {}
@@ -134,25 +92,20 @@ class RolloutWorker:
         index: int,
         config: dict[str, Any],
         urls: list[str],
+        out: Mapping[str, str],
         tokenizer: Any,
         tools_factory: Callable[[RuntimeConfig], Any] | None = None,
         reward_fn: Callable[..., Any] | None = None,
         interaction: Any = None,
         tools: Any = None,
     ) -> None:
-        from ..runtime import Runtime
-
         self.index = index
         self.config = RuntimeConfig.model_validate(config)
         ecfg, scfg = self.config.engine, self.config.scheduler
-        # Not started: only its client and default-tools recipes are used. This worker is the in-process
-        # side of Ray mode, so the recipe object is built without the Ray section.
-        local = Runtime(self.config.model_copy(update={"ray": self.config.ray.model_copy(update={"enabled": False})}))
-        self.clients = [local._client(u) for u in urls]
+        self.clients = [make_client(u, ecfg) for u in urls]
         #: Wall-clock time of each recent generate dispatch (for checks against the driver's AWAKE windows).
         self.dispatch_times: deque[float] = deque(maxlen=100_000)
-        self.gate = WorkerGate(self.clients, settle_timeout=ecfg.settle_timeout,
-                               on_generate=lambda url, state: self.dispatch_times.append(time.time()))
+        self.gate = Gate(self.clients, out=out, on_generate=lambda url, state: self.dispatch_times.append(time.time()))
         self.router = PinnedRouter(
             self.gate,
             per_server_limit=scfg.per_server_concurrency,
@@ -162,7 +115,7 @@ class RolloutWorker:
             clock=time.time,  # wall clock: timelines from workers on different machines line up
         )
         if tools is None:  # the driver's caller gave no registry: build this worker's own
-            tools = tools_factory(self.config) if tools_factory is not None else local._load_tools()
+            tools = tools_factory(self.config) if tools_factory is not None else ToolRegistry.load(self.config.agent.tools)
         self.scheduler = Scheduler(
             self.router,
             tokenizer=tokenizer,
@@ -173,30 +126,33 @@ class RolloutWorker:
             default_agent=self.config.agent.agent,
             reward_fn=reward_fn,
             clock=time.time,
+            hung_timeout=ecfg.hung_timeout,
         )
         self.jobs_run = 0
 
     async def ready(self) -> int:
         return self.index
 
-    # ------------------------------------------------------------------ the gate (set by the driver)
+    # ------------------------------------------------------------------ the gate (moved by the driver's lifecycle)
     async def open_gate(self, weight_version: str | None) -> None:
-        self.gate.open(weight_version)
+        await self.gate.open(weight_version)
 
     async def close_gate(self) -> int:
-        return self.gate.close()
+        return await self.gate.close()
 
     async def wait_settled(self, url: str, timeout: float) -> int:
         return await self.gate.wait_settled(url, timeout)
 
     async def mark_sleeping(self) -> None:
-        self.gate.mark_sleeping()
+        await self.gate.mark_sleeping()
 
-    async def remove_server(self, url: str, reason: str) -> None:
-        """The driver took `url` out (dead): stop routing there."""
-        if url in self.gate.urls and len(self.gate.urls) > 1:
-            self.gate.remove_server(url)
-            self.router.stats.removed.setdefault(url, reason)
+    async def take_out(self, url: str, reason: str) -> None:
+        """The driver took `url` out of rotation: stop routing there (requests on it are retried elsewhere)."""
+        await self.gate.take_out(url, reason)
+
+    async def admit(self, url: str) -> None:
+        """The driver re-admitted `url`."""
+        await self.gate.admit(url)
 
     # ------------------------------------------------------------------ work
     async def run(self, job: Sample, url: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,61 +1,126 @@
-"""The engine lifecycle: a state machine and a gate over one or many engine servers.
+"""The engine lifecycle: the state machine that drives engine servers' memory through wake and sleep,
+and opens and closes the gates it owns.
 
 States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
 
-`wake_up(weights)` (staged): resume(["weights"]) → load the new weights → resume(["kv_cache",
-"cuda_graph"]) → AWAKE. One-stage mode resumes every released tag at once, then loads.
-`sleep()`: DRAINING (gate closed: new generations wait) → pause(abort) in-flight requests → wait for
-them to settle → continue_generation → flush_cache (retried while busy) → release every tag →
-SLEEPING. The continue sits in the sleep, not the wake-up: a paused SGLang server holds new
-requests until continued, so the engine is unpaused before it sleeps and wakes up ready to serve;
-our own gate (closed from DRAINING until AWAKE) is what keeps generations out meanwhile.
+`wake_up(weights)` (staged): liveness probe → resume(["weights"]) → load the new weights →
+resume(["kv_cache", "cuda_graph"]) → AWAKE → open every gate. One-stage mode resumes every released
+tag at once, then loads. `sleep()`: DRAINING → close every gate → liveness probe → pause(abort)
+in-flight requests → wait for them to settle (in every gate) → continue_generation → flush_cache
+(retried while busy) → release every tag → SLEEPING. The continue sits in the sleep, not the
+wake-up: a paused SGLang server holds new requests until continued, so the engine is unpaused
+before it sleeps and wakes up ready to serve; the gates (closed from DRAINING until AWAKE) keep
+generations out meanwhile.
 
-This module is the only place that calls an engine's `generate` or `/health`: `Lifecycle.generate`
-awaits the gate, so dispatching to an engine that is not AWAKE is impossible by construction (a
-released SGLang server crashes on a generate or a `/health`). Every stage fans out to all engines
-and is awaited as one; a stage that fails raises `LifecycleError` naming the stage and the server.
-A failed wake-up stage leaves a state from which `wake_up` (resuming where it stopped) or `sleep`
-is legal; a failed sleep stage leaves DRAINING, from which `sleep` resumes at the failed stage (a
-wake-up must wait for that sleep to finish). Each engine's released tags are tracked so that
-exactly the released ones are resumed or released.
+**Gates.** Generation never goes through this class's own code: `agentloop.engine.gate.Gate` is the
+only road to an engine's generate and `/health`. A `Lifecycle` owns a local `Gate` (`.gate`, the
+one its process's router uses) and any number of other `GateControl`s added with `add_gates` (Ray
+mode: the `WorkerPool`, which moves every worker's gate at once); every transition moves all of them
+the same way, so no subclass re-implements `wake_up` or `sleep`.
+
+**Servers in and out of rotation.** Every stage fans out to the servers in rotation and is awaited
+as one. A server that fails a stage, the liveness probe (`/model_info`, never a generate, within
+`liveness_timeout`) or, mid-step, the router or the step watchdog, is taken out (`take_out`: one
+log line, every gate told) while the others go on; only when no server is left does a stage fail,
+with a `LifecycleError` naming each server and why. Before each wake-up the servers out of rotation
+are probed too: one that answers (restarted, or no longer hung) is re-admitted in the memory state it
+really is in (below), put to sleep like the others, and woken with the step's weights.
+A stage failing on every server leaves a state from which `wake_up` (resuming where it stopped) or
+`sleep` is legal; a failed sleep stage leaves DRAINING, from which `sleep` resumes at the failed stage.
+
+**Attach state: knowing each server's memory before the first call.** SGLang 0.5.17 does not report
+its released memory tags over HTTP, and it crashes on a release of released memory ("Cannot pause
+allocation that is not active") and on a resume of resident memory (KeyError in its scheduler). So:
+
+1. The lifecycle *records* each server's memory state in the server itself: around every release and
+   resume it writes a `MemoryMark` into the server's weight version (`/update_weight_version`, which
+   only sets a string in SGLang's HTTP process and is safe in any memory state; weight loads carry
+   the mark as their `weight_version`). "pending" names a memory call sent and not yet answered. The
+   mark dies with the server process, so a restarted server never carries a stale one; once fully
+   awake the server reports its plain weight version again.
+2. `attach()` (called by `Runtime.start`, and for every re-admitted server) reads `/model_info`:
+   no mark = nothing released (a fresh server, or one left awake); a mark = exactly its tags. A mark
+   with a pending call (a runtime killed while that call was on the wire) is resolved by the server's
+   own report if it has one (the CPU engine's `/server_info` lists `released_tags`); otherwise the
+   server is refused with a message that says what to do: restart it, or set `engine.attach_state`.
+3. `engine.attach_state` (`awake` | `asleep`) overrides the probe at attach, for servers that cannot
+   hold a mark (no `/update_weight_version`) or whose mark is ambiguous.
+4. `restore()` (called by `Runtime.stop` for servers it attached to by URL) puts every server it
+   found awake back to awake: weights resumed and reloaded from its model path under the weight
+   version it reported at attach, KV cache resumed, plain version — so a server is left as it was
+   found, and other clients (a `/health` monitor, the next run) never meet released memory.
+So any number of runtimes in sequence can attach to one server, and a runtime SIGKILLed at any stage
+leaves a mark from which the next run either recovers (every stage boundary) or refuses with the
+exact remedy (killed during the one memory call in flight).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Literal, Mapping, Sequence, Union
 
 import anyio
 
 from .base import MEMORY_TAGS, EngineClient, EngineError, GenerateOutput, SamplingParams
-from .lifecycle_types import SLEEP_STAGES, EngineState, LifecycleError, StageRecord, Weights, same_weights
+from .gate import Gate, GateControl
+from .lifecycle_types import (
+    SLEEP_STAGES,
+    EngineState,
+    LifecycleError,
+    MemoryMark,
+    StageRecord,
+    Weights,
+    same_weights,
+)
 
-__all__ = ["SLEEP_STAGES", "EngineState", "Lifecycle", "LifecycleError", "StageRecord", "Weights"]
+__all__ = ["SLEEP_STAGES", "AttachState", "EngineState", "Lifecycle", "LifecycleError", "StageRecord", "Weights"]
 
 log = logging.getLogger(__name__)
+
+#: "auto" (read each server's mark), "awake" (nothing released), "asleep" (every tag released), or the
+#: exact list of released tags.
+AttachState = Union[Literal["auto", "awake", "asleep"], Sequence[str]]
+_PROBE_ERRORS = (EngineError, TimeoutError, OSError)
+#: Generation is impossible while either of these is released, so nothing can be running to drain.
+_GENERATION_TAGS = frozenset({"weights", "kv_cache"})
 
 
 @dataclass
 class _Server:
     client: EngineClient
     released: set[str] = field(default_factory=set)
-    in_flight: int = 0
-    settled: anyio.Event = field(default_factory=anyio.Event)
     model_path: str | None = None
+    #: why the server is out of rotation (None: in rotation)
+    out: str | None = None
+    #: whether the server keeps our `MemoryMark` (False once it refused `/update_weight_version`)
+    marks: bool = True
+    #: the weight version string the server reports now, as last written or read
+    mark: str | None = None
+    #: what the first attach found (restored by `restore`)
+    found: MemoryMark | None = None
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def may_be_running(self) -> bool:
+        return not (self.released & _GENERATION_TAGS)
 
 
 class Lifecycle:
-    """State machine + gate over `clients`. Construct with the engines' present state.
+    """State machine over `clients` that opens and closes the gates it owns (see the module docstring).
 
-    `staged=False` selects one-stage wake-up (for engines without memory tags). `reload_path` is the
-    folder to reload when weights were released and no new weights are given (defaults to each
-    server's `model_info()["model_path"]`). `on_generate` is an instrumentation hook called with
-    (url, state) right before each dispatch.
+    `awake` declares the engines' present state without asking them (`attach()` asks). `staged=False`
+    selects one-stage wake-up (for engines without memory tags). `reload_path` is the folder to reload
+    when weights were released and no new weights are given (default: each server's
+    `model_info()["model_path"]`). `liveness_timeout` bounds the `/model_info` probe before each
+    wake-up and sleep. `attach_state` overrides what `attach()` finds ("auto": read each server's
+    mark). `on_generate(url, state)` is the local gate's instrumentation hook.
     """
 
     def __init__(
@@ -70,11 +135,18 @@ class Lifecycle:
         flush_retry_delay: float = 0.05,
         settle_timeout: float = 60.0,
         stage_timeout: float = 600.0,
+        liveness_timeout: float = 5.0,
+        attach_state: AttachState = "auto",
         on_generate: Callable[[str, EngineState], None] | None = None,
     ) -> None:
         if not clients:
             raise ValueError("Lifecycle needs at least one engine client")
-        self._servers: dict[str, _Server] = {c.url: self._server(c) for c in clients}
+        if isinstance(attach_state, str):
+            if attach_state not in ("auto", "awake", "asleep"):
+                raise ValueError(f"attach_state must be auto|awake|asleep or a list of released tags, not {attach_state!r}")
+        elif set(attach_state) - set(MEMORY_TAGS):
+            raise ValueError(f"attach_state: unknown memory tags {sorted(set(attach_state) - set(MEMORY_TAGS))}")
+        self._servers: dict[str, _Server] = {c.url: _Server(c) for c in clients}
         self.staged = staged
         self.release_tags = tuple(release_tags)
         unknown = set(self.release_tags) - set(MEMORY_TAGS)
@@ -85,14 +157,15 @@ class Lifecycle:
         self.flush_retry_delay = flush_retry_delay
         self.settle_timeout = settle_timeout
         self.stage_timeout = stage_timeout
-        self.on_generate = on_generate
+        self.liveness_timeout = liveness_timeout
+        self.attach_state: AttachState = attach_state if isinstance(attach_state, str) else list(attach_state)
         self._state = EngineState.AWAKE if awake else EngineState.SLEEPING
         if not awake:
             for s in self._servers.values():
                 s.released = set(self.release_tags)
-        self._awake_event = anyio.Event()
-        if awake:
-            self._awake_event.set()
+        #: The gate of this process: the one road to generate and /health (its router's).
+        self.gate = Gate(clients, awake=awake, on_generate=on_generate, on_take_out=self.take_out)
+        self._gates: list[GateControl] = [self.gate]
         self._transition_lock = anyio.Lock()
         self._last_weights: Weights | None = None
         self._waking: tuple[Weights | None, anyio.Event, list[BaseException]] | None = None
@@ -100,6 +173,11 @@ class Lifecycle:
         self._version_counter = itertools.count(1)
         self.weight_version: str | None = None
         self.records: list[StageRecord] = []
+        #: Servers leaving and re-entering rotation: {"time", "url", "event": "out" | "in", "reason"}.
+        self.server_events: list[dict[str, Any]] = []
+        #: Wall-clock spans during which the gates were open: [opened, closing). Each starts after
+        #: AWAKE was reached and ends before AWAKE is left (checked against dispatch times by tests).
+        self.gate_windows: list[list[float]] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -108,106 +186,215 @@ class Lifecycle:
 
     @property
     def urls(self) -> list[str]:
-        return list(self._servers)
+        """Servers in rotation."""
+        return [u for u, s in self._servers.items() if s.out is None]
 
     @property
     def clients(self) -> list[EngineClient]:
-        return [s.client for s in self._servers.values()]
+        return [s.client for s in self._servers.values() if s.out is None]
 
-    def in_flight(self, url: str | None = None) -> int:
-        if url is not None:
-            return self._servers[url].in_flight
-        return sum(s.in_flight for s in self._servers.values())
+    @property
+    def out_of_rotation(self) -> dict[str, str]:
+        """Servers out of rotation now, with why."""
+        return {u: s.out for u, s in self._servers.items() if s.out is not None}
+
+    @property
+    def generations_outside_awake(self) -> int:
+        return self.gate.generations_outside_awake
+
+    @property
+    def sleep_resume_at(self) -> str | None:
+        """The sleep stage a retried `sleep()` starts at (None unless a sleep failed part-way)."""
+        return self._sleep_resume_at
+
+    def add_gates(self, gates: GateControl) -> None:
+        """Own more gates (Ray: every worker's, through the pool); they follow every later transition."""
+        self._gates.append(gates)
 
     def _set_state(self, state: EngineState) -> None:
         log.debug("lifecycle %s -> %s", self._state.value, state.value)
         self._state = state
-        if state is EngineState.AWAKE:
-            self._awake_event.set()
-        elif self._awake_event.is_set():
-            self._awake_event = anyio.Event()
 
-    def _server(self, client: EngineClient) -> _Server:
-        """A server entry; a client that can tell (`SGLangClient.gate_open`) learns when the gate is open,
-        so what it sends outside AWAKE is counted where the request leaves (`generations_outside_awake`)."""
-        if hasattr(client, "gate_open"):
-            client.gate_open = lambda: self._state is EngineState.AWAKE
-        return _Server(client)
+    def _in_rotation(self) -> list[_Server]:
+        return [s for s in self._servers.values() if s.out is None]
 
-    @property
-    def generations_outside_awake(self) -> int:
-        """Generates and `/health` calls whose HTTP request left a client while the engines were not AWAKE
-        (counted by the clients at the send, after the gate was passed; 0 for clients that cannot count)."""
-        return sum(int(getattr(s.client, "sent_outside_awake", 0)) for s in self._servers.values())
+    # The gate's road, for callers holding the lifecycle (the gate does the work).
+    def in_flight(self, url: str | None = None) -> int:
+        return self.gate.in_flight(url)
 
-    def remove_server(self, url: str) -> None:
-        """Forget a dead server (the router calls this); its in-flight calls end on their own."""
-        if len(self._servers) == 1 and url in self._servers:
-            raise LifecycleError("remove_server", "cannot remove the last engine server", url=url)
-        self._servers.pop(url, None)
-
-    def add_server(self, client: EngineClient) -> None:
-        """Add a server whose memory state matches the lifecycle's (awake only while AWAKE)."""
-        s = self._server(client)
-        if self._state is not EngineState.AWAKE:
-            raise LifecycleError("add_server", f"servers can be added only while AWAKE, not {self._state.value}", url=client.url)
-        self._servers[client.url] = s
-
-    # ------------------------------------------------------------------ gate
     async def wait_awake(self, timeout: float | None = None) -> None:
-        """Block until the engines are AWAKE (the gate)."""
-        with anyio.fail_after(timeout) if timeout else contextlib.nullcontext():
-            while self._state is not EngineState.AWAKE:
-                await self._awake_event.wait()
+        await self.gate.wait_awake(timeout)
 
-    async def generate(
-        self,
-        url: str,
-        input_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        *,
-        rid: str | None = None,
-        timeout: float | None = None,
-        gate_timeout: float | None = None,
-    ) -> GenerateOutput:
-        """The one road to an engine's generate: waits for AWAKE, counts the request in flight."""
-        server = self._servers.get(url)
-        if server is None:
-            raise EngineError("/generate", None, "server is not (or no longer) part of the lifecycle", url=url)
-        while True:
-            await self.wait_awake(gate_timeout)
-            if self._state is EngineState.AWAKE:  # re-check: no await between this and the increment
-                break
-        if self.on_generate is not None:
-            self.on_generate(url, self._state)
-        server.in_flight += 1
-        try:
-            return await server.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
-        finally:
-            server.in_flight -= 1
-            if server.in_flight == 0:
-                server.settled.set()
+    async def generate(self, url: str, input_ids: Sequence[int], sampling_params: SamplingParams, **kw: Any) -> GenerateOutput:
+        return await self.gate.generate(url, input_ids, sampling_params, **kw)
 
     async def health(self, url: str) -> bool:
-        """Liveness without risk: `/health` (which generates) only while AWAKE, else `/model_info`."""
-        server = self._servers[url]
-        try:
-            if self._state is EngineState.AWAKE:
-                return await server.client.health()
-            await server.client.model_info()
-            return True
-        except EngineError:
-            return False
+        return await self.gate.health(url)
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
-        """Send an abort to every server directly (routers do not forward aborts)."""
-        await self._fan_out("abort", lambda s: s.client.abort_request(rid, abort_all=abort_all))
+        """Abort on every server in rotation; raises naming a server that could not be told."""
+        failed = await self.gate.abort(rid, abort_all=abort_all)
+        if failed:
+            url, e = failed[0]
+            raise LifecycleError("abort", str(e), url=url, cause=e)
+
+    # ------------------------------------------------------------------ rotation
+    async def take_out(self, url: str, reason: str) -> None:
+        """Take `url` out of rotation: out of every stage and every gate, until re-admitted."""
+        s = self._servers.get(url)
+        if s is None or s.out is not None:
+            return
+        s.out = reason
+        self.server_events.append({"time": time.time(), "url": url, "event": "out", "reason": reason})
+        log.warning("engine server %s out of rotation: %s", url, reason)
+        for g in self._gates:
+            await g.take_out(url, reason)
+
+    async def _admit(self, s: _Server) -> None:
+        reason, s.out = s.out, None
+        self.server_events.append({"time": time.time(), "url": s.url, "event": "in", "reason": f"re-admitted (was: {reason})"})
+        log.warning("engine server %s back in rotation (was out: %s)", s.url, reason)
+        for g in self._gates:
+            await g.admit(s.url)
+
+    def _no_server_left(self, stage: str) -> LifecycleError:
+        why = "; ".join(f"{u}: {r}" for u, r in self.out_of_rotation.items())
+        return LifecycleError(stage, f"no engine server left ({why})")
+
+    async def _probe(self, *, readmit: bool) -> None:
+        """Liveness of every server in rotation (and, with `readmit`, re-admission of those out)."""
+        targets = [s for s in self._servers.values() if s.out is None or readmit]
+        answers: dict[str, Any] = {}
+
+        async def one(s: _Server) -> None:
+            try:
+                with anyio.fail_after(self.liveness_timeout):
+                    answers[s.url] = await s.client.model_info()
+            except _PROBE_ERRORS as e:
+                answers[s.url] = e
+
+        async with anyio.create_task_group() as tg:
+            for s in targets:
+                tg.start_soon(one, s)
+        for s in targets:
+            a = answers[s.url]
+            if s.out is None and isinstance(a, BaseException):
+                await self.take_out(s.url, f"failed the liveness probe ({_short(a)})")
+            elif s.out is not None and not isinstance(a, BaseException):
+                await self._readmit(s, a)
+        if not self._in_rotation():
+            raise self._no_server_left("liveness")
+
+    async def _readmit(self, s: _Server, info: Mapping[str, Any]) -> None:
+        """A server out of rotation answers again: learn its real state, put it to sleep, admit it."""
+        try:
+            await self._resolve(s, info, initial=False)
+            await self._sleep_one(s)
+        except (LifecycleError, *_PROBE_ERRORS) as e:
+            reason = f"answers again but cannot be re-admitted: {e}"
+            if s.out != reason:
+                s.out = reason
+                log.warning("engine server %s stays out of rotation: %s", s.url, reason)
+            return
+        await self._admit(s)
+
+    # ------------------------------------------------------------------ attach
+    async def attach(self) -> None:
+        """Learn each server's real memory state (see the module docstring) before the first call."""
+        errors: dict[str, BaseException] = {}
+
+        async def one(s: _Server) -> None:
+            try:
+                with anyio.fail_after(self.liveness_timeout):
+                    info = await s.client.model_info()
+                await self._resolve(s, info, initial=True)
+            except (LifecycleError, *_PROBE_ERRORS) as e:
+                errors[s.url] = e
+
+        async with anyio.create_task_group() as tg:
+            for s in self._servers.values():
+                tg.start_soon(one, s)
+        if errors and len(errors) == len(self._servers):
+            if len(errors) == 1:
+                e = next(iter(errors.values()))
+                raise e if isinstance(e, LifecycleError) else LifecycleError("attach", _short(e), url=next(iter(errors)), cause=e)
+            raise LifecycleError("attach", "no engine server can be attached (" + "; ".join(
+                f"{u}: {e}" for u, e in errors.items()) + ")")
+        for url, e in errors.items():
+            await self.take_out(url, f"cannot be attached: {e}")
+        # servers holding memory are drained and released by the next sleep (each server's own tags)
+        self._state = EngineState.DRAINING if any(not set(self.release_tags) <= s.released for s in self._in_rotation()) \
+            else EngineState.SLEEPING
+        self._sleep_resume_at = None
+        await self.gate.close()
+
+    async def _resolve(self, s: _Server, info: Mapping[str, Any], *, initial: bool) -> None:
+        """Set `s.released` to what the server really holds, from its mark (or the configured state)."""
+        reported = str(info.get("weight_version", "default"))
+        mark = MemoryMark.decode(reported)
+        s.mark = reported
+        if s.model_path is None and info.get("model_path"):
+            s.model_path = str(info["model_path"])
+        if initial and self.attach_state != "auto":
+            if isinstance(self.attach_state, list):
+                released = set(self.attach_state)
+            else:
+                released = set(self.release_tags) | set(mark.released) if self.attach_state == "asleep" else set()
+        elif not s.marks:  # a server that keeps no mark and comes back: restarted (awake) or not (as left)?
+            truth = await _reported_released(s.client)
+            if truth is None:
+                raise LifecycleError(
+                    "attach", "the server keeps no memory mark (it refused /update_weight_version), so whether it "
+                    "was restarted (awake) or kept its released memory cannot be known; restart the runtime with "
+                    "engine.attach_state set", url=s.url)
+            released = truth
+        elif mark.pending is not None:
+            truth = await _reported_released(s.client)
+            if truth is None:
+                op, _, text = mark.pending.partition(":")
+                tags = set(text.split(","))
+                done = mark.released | tags if op == "release" else mark.released - tags
+                raise LifecycleError(
+                    "attach", f"a runtime stopped while its /{op}_memory_occupation({sorted(tags)}) call was on the wire "
+                    "(the server's weight version says so), and SGLang cannot be asked whether that call took effect: "
+                    "a wrong guess crashes it. Restart the server (a fresh one is awake), or, if you know, set "
+                    f"engine.attach_state: {self._as_setting(done)} if the call took effect, "
+                    f"{self._as_setting(mark.released)} if it did not", url=s.url)
+            released = truth
+        else:
+            released = set(mark.released)
+        s.released = released
+        if initial or s.found is None:
+            s.found = MemoryMark(mark.version, frozenset(released))
+        log.info("engine server %s attached: %s", s.url,
+                 f"released {sorted(released)}" if released else "awake (nothing released)")
+
+    def _as_setting(self, released: set[str] | frozenset[str]) -> str:
+        """The `engine.attach_state` value that says `released`."""
+        if not released:
+            return "awake"
+        if set(released) == set(self.release_tags):
+            return "asleep"
+        return "[" + ", ".join(sorted(released)) + "]"
+
+    # ------------------------------------------------------------------ gates
+    async def _open_gates(self) -> None:
+        if not self.gate_windows or len(self.gate_windows[-1]) == 2:
+            self.gate_windows.append([time.time()])
+        for g in self._gates:
+            await g.open(self.weight_version)
+
+    async def _close_gates(self) -> None:
+        for g in self._gates:
+            await g.close()
+        if self.gate_windows and len(self.gate_windows[-1]) == 1:
+            self.gate_windows[-1].append(time.time())
 
     # ------------------------------------------------------------------ transitions
     async def wake_up(self, weights: "Weights | Mapping[str, Any] | str | Path | None" = None) -> str | None:
         """Staged wake-up; returns the weight version now served.
 
-        "The same weights" means the same state dict object or the same path (see `_same_weights`),
+        "The same weights" means the same state dict object or the same path (see `same_weights`),
         not the same `Weights` wrapper. Callers that arrive while a wake-up with the same weights
         (or with none) is running share it (and its error). While AWAKE, a call without weights,
         with the same weights as the last load, or with the version already served is a no-op.
@@ -232,6 +419,7 @@ class Lifecycle:
                              self.weight_version, version)
                     await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
                     self._last_weights = w
+                await self._open_gates()
                 return self.weight_version
             if self._state is EngineState.DRAINING:
                 # the lock is free, so no sleep is running: the last one failed part-way
@@ -240,8 +428,11 @@ class Lifecycle:
                     "engines are DRAINING; call sleep() to finish it, then wake_up")
             self._waking = (w, anyio.Event(), [])
             try:
+                if self._state is EngineState.SLEEPING:
+                    await self._probe(readmit=True)
                 await self._wake_stages(w)
                 self._last_weights = w
+                await self._open_gates()
             except BaseException as e:
                 self._waking[2].append(e)
                 raise
@@ -267,13 +458,13 @@ class Lifecycle:
         self._set_state(EngineState.AWAKE)
 
     async def sleep(self) -> None:
-        """Close the gate, abort and settle in-flight requests, flush, release every tag.
+        """Close every gate, abort and settle in-flight requests, flush, release every tag.
 
         From AWAKE every stage runs. After a failed sleep (state DRAINING) a retry resumes at the
         stage that failed, like a retried wake-up: a failed flush_cache is flushed again before the
         release, a failed release is only released again (each server's released tags are tracked,
         so nothing is released twice). From a wake-up that stopped part-way nothing was generated,
-        so only the release runs.
+        so only the release runs. Servers with nothing that can run skip the draining stages.
         """
         async with self._transition_lock:
             if self._state is EngineState.SLEEPING:
@@ -285,25 +476,67 @@ class Lifecycle:
             else:
                 first = "release"
             self._set_state(EngineState.DRAINING)
-            run: dict[str, Callable[[_Server], Awaitable[Any]]] = {
-                "pause": lambda s: s.client.pause_generation("abort"),
-                "settle": self._settle,
-                # the engine is not left paused while asleep, so a wake-up needs no continue
-                "continue": lambda s: s.client.continue_generation(),
-                "flush_cache": self._flush,
-                "release": self._release,
-            }
+            self._sleep_resume_at = first
+            await self._close_gates()  # before any engine is paused: no gate dispatches from here on
+            # (re-admission only when nothing is left in rotation: the next wake-up probes the rest)
+            await self._probe(readmit=not self._in_rotation())
             for stage in SLEEP_STAGES[SLEEP_STAGES.index(first):]:
                 # set before the stage runs, so an error or a cancellation leaves it pointing here
                 self._sleep_resume_at = stage
-                await self._stage("sleep", stage, run[stage])
+                await self._stage("sleep", stage, self._sleep_stage(stage))
             self._sleep_resume_at = None
             self._set_state(EngineState.SLEEPING)
+            for g in self._gates:
+                await g.mark_sleeping()
 
-    @property
-    def sleep_resume_at(self) -> str | None:
-        """The sleep stage a retried `sleep()` starts at (None unless a sleep failed part-way)."""
-        return self._sleep_resume_at
+    def _sleep_stage(self, stage: str) -> Callable[[_Server], Awaitable[Any]]:
+        run: dict[str, Callable[[_Server], Awaitable[Any]]] = {
+            "pause": lambda s: s.client.pause_generation("abort"),
+            "settle": self._settle,
+            # the engine is not left paused while asleep, so a wake-up needs no continue
+            "continue": lambda s: s.client.continue_generation(),
+            "flush_cache": self._flush,
+            "release": self._release,
+        }
+        fn = run[stage]
+        if stage == "release":
+            return fn
+
+        async def draining(s: _Server) -> Any:
+            if s.may_be_running:  # a server holding no weights or KV cache has nothing to drain
+                return await fn(s)
+
+        return draining
+
+    async def _sleep_one(self, s: _Server) -> None:
+        """Put one (re-admitted) server to sleep on its own: every sleep stage, in order."""
+        for stage in SLEEP_STAGES:
+            with anyio.fail_after(self.stage_timeout):
+                await self._sleep_stage(stage)(s)
+
+    async def restore(self) -> None:
+        """Put every server in rotation that `attach()` found awake back to awake (see the module
+        docstring): resume its weights, reload them from its model path under the version it had,
+        resume the rest. Called when a runtime that attached to running servers stops."""
+        async with self._transition_lock:
+            todo = [s for s in self._in_rotation() if s.found is not None and not s.found.released and s.released]
+            if not todo or self._state is EngineState.AWAKE:
+                return
+            if self._state is not EngineState.SLEEPING:
+                log.warning("restoring engine servers from %s (the last sleep failed at %r)",
+                            self._state.value, self._sleep_resume_at)
+
+            async def one(s: _Server) -> None:
+                reload = "weights" in s.released
+                await self._resume(s, ["weights"])
+                assert s.found is not None
+                if reload:
+                    await self._reload(s, s.found.version)
+                await self._resume(s, sorted(s.released))
+                await self._mark(s)
+
+            await self._stage("restore", "restore", one, servers=todo)
+            log.info("engine servers %s left awake, as found", [s.url for s in todo])
 
     # ------------------------------------------------------------------ stages
     def _next_version(self, w: Weights) -> str:
@@ -313,12 +546,17 @@ class Lifecycle:
         if w is None:
             # Released weights have lost their values (SGLang zeroes them): reload from disk.
             if "weights" in self.release_tags:
-                await self._stage("wake_up", "update_weights", self._reload)
+                version = self.weight_version or "default"
+                await self._stage("wake_up", "update_weights", lambda s: self._reload(s, version))
             return
         version = self._next_version(w)
         await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
 
-    async def _reload(self, s: _Server) -> None:
+    def _load_version(self, s: _Server, version: str) -> str:
+        """The `weight_version` a load sends: the version, marked with what is still released."""
+        return MemoryMark(version, frozenset(s.released)).encode() if s.marks else version
+
+    async def _reload(self, s: _Server, version: str) -> None:
         path = self.reload_path or s.model_path
         if path is None:
             info = await s.client.model_info()
@@ -326,65 +564,139 @@ class Lifecycle:
         if not path:
             raise LifecycleError(
                 "update_weights", "weights were released and no new weights were given, and the server "
-                "reports no model_path to reload from; pass weights= to wake_up", url=s.client.url)
-        version = self.weight_version or "default"
-        await s.client.update_weights_from_disk(path, weight_version=version, flush_cache=True)
+                "reports no model_path to reload from; pass weights= to wake_up", url=s.url)
+        sent = self._load_version(s, version)
+        await s.client.update_weights_from_disk(path, weight_version=sent, flush_cache=True)
+        s.mark = sent
         self.weight_version = version
 
     async def _load(self, s: _Server, w: Weights, version: str) -> None:
+        sent = self._load_version(s, version)
         if w.state_dict is not None:
             await s.client.update_weights_from_tensor(
-                list(w.state_dict.items()), load_format=w.load_format, weight_version=version, flush_cache=True)
+                list(w.state_dict.items()), load_format=w.load_format, weight_version=sent, flush_cache=True)
         elif w.path is not None:
-            await s.client.update_weights_from_disk(w.path, load_format=w.load_format, weight_version=version, flush_cache=True)
+            await s.client.update_weights_from_disk(w.path, load_format=w.load_format, weight_version=sent, flush_cache=True)
         else:
-            raise LifecycleError("update_weights", "Weights has neither a state_dict nor a path", url=s.client.url)
+            raise LifecycleError("update_weights", "Weights has neither a state_dict nor a path", url=s.url)
+        s.mark = sent
         self.weight_version = version
+
+    async def _memory_call(self, s: _Server, op: Literal["release", "resume"], tags: list[str]) -> None:
+        """One release/resume, with the server's mark saying it is pending until it is answered."""
+        await self._mark(s, pending=f"{op}:{','.join(tags)}")
+        call = s.client.release_memory_occupation if op == "release" else s.client.resume_memory_occupation
+        try:
+            await call(tags)
+        except EngineError as e:
+            if e.status is not None:  # the server answered and refused: nothing changed
+                await self._mark(s)
+            raise
+        if op == "release":
+            s.released.update(tags)
+        else:
+            s.released.difference_update(tags)
+        await self._mark(s)
+
+    async def _mark(self, s: _Server, *, pending: str | None = None) -> None:
+        """Record `s`'s memory state in its weight version (see `MemoryMark`), if it changed."""
+        if not s.marks:
+            return
+        version = self.weight_version or (s.found.version if s.found is not None else "default")
+        text = MemoryMark(version, frozenset(s.released), pending).encode()
+        if text == s.mark:
+            return
+        update = getattr(s.client, "update_weight_version", None)
+        try:
+            if update is None:
+                raise EngineError("/update_weight_version", None, "this client cannot set a weight version", url=s.url)
+            await update(text, abort_all_requests=False)
+        except EngineError as e:
+            if e.status is None and update is not None:
+                raise  # unreachable: the stage fails for this server
+            s.marks = False
+            log.warning("engine server %s cannot record its memory state in its weight version (%s): a runtime "
+                        "killed while it sleeps leaves a state the next run must be told with engine.attach_state",
+                        s.url, e)
+            return
+        s.mark = text
 
     async def _resume(self, s: _Server, tags: Sequence[str]) -> None:
         todo = [t for t in tags if t in s.released]
         if todo:
-            await s.client.resume_memory_occupation(todo)
-            s.released.difference_update(todo)
+            await self._memory_call(s, "resume", todo)
+        elif not s.released:
+            await self._mark(s)  # fully resident: the plain version
 
     async def _release(self, s: _Server) -> None:
         todo = [t for t in self.release_tags if t not in s.released]
         if todo:
-            await s.client.release_memory_occupation(todo)
-            s.released.update(todo)
+            await self._memory_call(s, "release", todo)
 
     async def _settle(self, s: _Server) -> None:
-        with anyio.fail_after(self.settle_timeout):
-            while s.in_flight > 0:
-                s.settled = anyio.Event()
-                await s.settled.wait()
+        left = 0
+        for g in self._gates:
+            left += await g.wait_settled(s.url, self.settle_timeout)
+        if left:
+            raise LifecycleError("settle", f"{left} requests still in flight after {self.settle_timeout:.0f}s", url=s.url)
 
     async def _flush(self, s: _Server) -> None:
         for _ in range(self.flush_retries):
             if await s.client.flush_cache():
                 return
             await anyio.sleep(self.flush_retry_delay)
-        raise LifecycleError("flush_cache", f"engine still busy after {self.flush_retries} tries", url=s.client.url)
+        raise LifecycleError("flush_cache", f"engine still busy after {self.flush_retries} tries", url=s.url)
 
-    async def _stage(self, phase: str, stage: str, fn: Callable[[_Server], Awaitable[Any]]) -> None:
+    async def _stage(self, phase: str, stage: str, fn: Callable[[_Server], Awaitable[Any]],
+                     servers: Sequence[_Server] | None = None) -> None:
         start = time.monotonic()
-        await self._fan_out(stage, fn)
-        self.records.append(StageRecord(phase, stage, start, time.monotonic(), {"servers": len(self._servers)}))
+        targets = list(servers) if servers is not None else self._in_rotation()
+        await self._fan_out(stage, fn, targets)
+        self.records.append(StageRecord(phase, stage, start, time.monotonic(), {"servers": len(targets)}))
 
-    async def _fan_out(self, stage: str, fn: Callable[[_Server], Awaitable[Any]]) -> None:
-        errors: list[LifecycleError] = []
+    async def _fan_out(self, stage: str, fn: Callable[[_Server], Awaitable[Any]], targets: Sequence[_Server]) -> None:
+        """Run `fn` on every target; servers that fail are taken out while others succeed. If every
+        target fails, nothing is taken out and the error (naming each server) is raised."""
+        if not targets:
+            raise self._no_server_left(stage)
+        errors: dict[str, LifecycleError] = {}
 
         async def one(s: _Server) -> None:
             try:
                 with anyio.fail_after(self.stage_timeout):
                     await fn(s)
             except LifecycleError as e:
-                errors.append(e)
-            except (EngineError, TimeoutError, OSError) as e:
-                errors.append(LifecycleError(stage, str(e), url=s.client.url, cause=e))
+                errors[s.url] = e
+            except _PROBE_ERRORS as e:
+                errors[s.url] = LifecycleError(stage, str(e), url=s.url, cause=e)
 
         async with anyio.create_task_group() as tg:
-            for s in list(self._servers.values()):
+            for s in targets:
                 tg.start_soon(one, s)
-        if errors:
-            raise errors[0]
+        if not errors:
+            return
+        if len(errors) == len(targets):
+            if len(errors) == 1:
+                raise next(iter(errors.values()))
+            raise LifecycleError(stage, "failed on every engine server (" + "; ".join(
+                f"{u}: {e}" for u, e in errors.items()) + ")")
+        for url, e in errors.items():
+            await self.take_out(url, str(e))
+
+
+async def _reported_released(client: EngineClient) -> set[str] | None:
+    """The released tags a server reports itself (the CPU engine does; SGLang 0.5.17 does not)."""
+    try:
+        info = await client.server_info()
+    except EngineError:
+        return None
+    for part in [info, *(info.get("internal_states") or [])]:
+        tags = part.get("released_tags") if isinstance(part, Mapping) else None
+        if isinstance(tags, list):
+            return {str(t) for t in tags}
+    return None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -88,3 +88,40 @@ class StageRecord:
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+
+MARK_SEPARATOR = "~agentloop:"
+"""Separates the served weight version from the memory state the lifecycle records in it."""
+
+
+@dataclass(frozen=True)
+class MemoryMark:
+    """A server's memory state as the lifecycle records it in the server's own `weight_version`.
+
+    SGLang cannot be asked which memory tags it has released, and a release of released memory or a
+    resume of resident memory crashes it; so before and after every release/resume the lifecycle
+    writes this mark with `/update_weight_version` (and passes it as the `weight_version` of weight
+    loads), and a later runtime reads it back from `/model_info`. `pending` names a call that was
+    sent but not (yet) answered ("release:weights,kv_cache"): a runtime killed during it leaves it.
+    A plain version (no mark) means nothing is released: a fresh server, or one woken completely.
+    The mark lives in the server process, so a restarted server never carries a stale one.
+    """
+
+    version: str
+    released: frozenset[str] = frozenset()
+    pending: str | None = None
+
+    def encode(self) -> str:
+        if not self.released and self.pending is None:
+            return self.version
+        text = f"{self.version}{MARK_SEPARATOR}released={','.join(sorted(self.released))}"
+        return text + (f";pending={self.pending}" if self.pending else "")
+
+    @classmethod
+    def decode(cls, weight_version: str) -> "MemoryMark":
+        version, sep, rest = str(weight_version).partition(MARK_SEPARATOR)
+        if not sep:
+            return cls(version)
+        fields = dict(part.partition("=")[::2] for part in rest.split(";") if part)
+        released = frozenset(t for t in fields.get("released", "").split(",") if t)
+        return cls(version, released, fields.get("pending") or None)

@@ -8,10 +8,15 @@ the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
   its prefix stays cached. `RouteSession.close()` releases the binding.
 - **Failure**: a turn whose server cannot be reached (`EngineUnavailable`) or fails with a server
   error (5xx) repeatedly is retried on another server (up to `max_retries`); a server that fails a
-  health probe, or `failure_threshold` requests in a row, is taken out (`Lifecycle.remove_server`).
-  Nothing was appended for the failed attempt, so the retry loses no token. Request errors (4xx)
-  are the request's fault and raise at once.
-- **The gate**: generation goes only through `Lifecycle.generate(url, ...)`; each request carries a
+  health probe, or `failure_threshold` requests in a row, is taken out (`Gate.take_out`, which tells
+  the lifecycle that owns the gate). The last server in rotation is never taken out by the router:
+  its failures fail the turns (one log line per server state change, not per request). Nothing was
+  appended for the failed attempt, so the retry loses no token. Request errors (4xx) are the
+  request's fault and raise at once.
+- **Hung servers**: `take_out_stalled(after)` (the scheduler's step watchdog calls it) takes out
+  every server that has requests in flight, answered none of them for `after` seconds and does not
+  answer a `/model_info` probe either; their requests are cancelled and retried on the other servers.
+- **The gate**: generation goes only through `Gate.generate(url, ...)`; each request carries a
   unique rid, so `RouteSession.in_flight_rid` can be aborted on the servers directly.
 - **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
   without dispatching (the agent loop then ends with its partial trajectory), which is how the
@@ -33,7 +38,8 @@ import anyio
 
 from ..types import TimelineEvent
 from .base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
-from .lifecycle import EngineState, Lifecycle, LifecycleError
+from .gate import Gate
+from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +58,11 @@ class RouterStats:
 
 
 class Router:
-    """Routes requests of many trajectories over the servers of one `Lifecycle`."""
+    """Routes requests of many trajectories over the servers of one `Gate` (a `Lifecycle` stands for its gate)."""
 
     def __init__(
         self,
-        lifecycle: Lifecycle,
+        gate: Gate | Lifecycle,
         *,
         per_server_limit: int | None = None,
         max_retries: int = 3,
@@ -67,7 +73,7 @@ class Router:
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
-        self.lifecycle = lifecycle
+        self.gate: Gate = gate.gate if isinstance(gate, Lifecycle) else gate
         self.per_server_limit = per_server_limit
         self.max_retries = max_retries
         self.failure_threshold = failure_threshold
@@ -80,6 +86,7 @@ class Router:
         self._failures: dict[str, int] = {}
         self._slots: dict[str, anyio.Semaphore] = {}
         self._probe_locks: dict[str, anyio.Lock] = {}
+        self._kept_last: set[str] = set()  # servers whose "last one: kept" was logged
 
     # ------------------------------------------------------------------ public
     def session(self, key: str) -> "RouteSession":
@@ -88,7 +95,7 @@ class Router:
 
     @property
     def urls(self) -> list[str]:
-        return self.lifecycle.urls
+        return self.gate.urls
 
     def outstanding(self) -> dict[str, int]:
         """Requests routed to each live server and not yet answered (incl. those waiting for a slot)."""
@@ -103,20 +110,35 @@ class Router:
 
         async def one(rid: str) -> None:
             with anyio.move_on_after(timeout):
-                try:
-                    await self.lifecycle.abort(rid)
-                except LifecycleError as e:  # a dead server cannot abort; its request ends on its own
-                    log.warning("abort of %s: %s", rid, e)
+                for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
+                    log.debug("abort of %s on %s: %s", rid, url, e)
 
         async with anyio.create_task_group() as tg:
             for rid in rids:
                 tg.start_soon(one, rid)
 
+    async def take_out_stalled(self, after: float) -> list[str]:
+        """Take out every server with requests in flight that answered none for `after` seconds and
+        does not answer `/model_info` either (a server that does is slow, not hung: its requests keep
+        `request_timeout`). The longest-silent goes first, so the last server kept is the livelier."""
+        hung = []
+        for url in self.gate.stalled(after):
+            try:
+                with anyio.fail_after(self.health_timeout):
+                    await self.gate.client(url).model_info()
+                continue
+            except (EngineError, TimeoutError, OSError) as e:
+                why = f"{type(e).__name__}: {e}".strip()
+            await self._remove(url, f"hung: requests in flight and no answer for {after:.0f}s, nor to /model_info ({why})")
+            hung.append(url)
+        return hung
+
     # ------------------------------------------------------------------ internals
     def _pick(self) -> str:
         urls = self.urls
         if not urls:
-            raise NoServerError("/generate", None, "no engine server left")
+            why = "; ".join(f"{u}: {r}" for u, r in self.gate.out.items())
+            raise NoServerError("/generate", None, f"no engine server left ({why})" if why else "no engine server left")
         order = {u: i for i, u in enumerate(urls)}
         return min(urls, key=lambda u: (self._outstanding.get(u, 0), self._bound.get(u, 0), order[u]))
 
@@ -135,12 +157,12 @@ class Router:
 
     async def _on_failure(self, url: str, error: EngineError) -> None:
         """Count a failure of `url`; take the server out when it is dead or failing repeatedly."""
-        if url not in self.lifecycle.urls:
+        if url not in self.gate.urls:
             return
         self._failures[url] = self._failures.get(url, 0) + 1
         lock = self._probe_locks.setdefault(url, anyio.Lock())
         async with lock:  # one probe per server at a time, not one per failed trajectory
-            if url not in self.lifecycle.urls:
+            if url not in self.gate.urls:
                 return
             reason = None
             if self._failures[url] >= self.failure_threshold:
@@ -148,23 +170,26 @@ class Router:
             elif isinstance(error, EngineUnavailable):
                 healthy = False
                 with anyio.move_on_after(self.health_timeout):
-                    healthy = await self.lifecycle.health(url)
+                    healthy = await self.gate.health(url)
                 if not healthy:
                     reason = f"unreachable and failed its health probe ({error})"
             if reason is not None:
-                self._remove(url, reason)
+                await self._remove(url, reason)
 
-    def _remove(self, url: str, reason: str) -> None:
-        try:
-            self.lifecycle.remove_server(url)
-        except LifecycleError as e:  # the last server: keep it, the caller's retry budget decides
-            log.error("cannot take out %s: %s", url, e)
+    async def _remove(self, url: str, reason: str) -> None:
+        if url not in self.gate.urls:
+            return
+        if len(self.gate.urls) == 1:  # the last server: keep it, the caller's retry budget decides
+            if url not in self._kept_last:
+                self._kept_last.add(url)
+                log.error("engine server %s is the last one in rotation and is kept although %s", url, reason)
             return
         self.stats.removed[url] = reason
-        log.warning("engine server %s taken out of rotation: %s", url, reason)
+        await self.gate.take_out(url, reason)  # logged once by the lifecycle that owns the gate
 
     def _on_success(self, url: str) -> None:
         self._failures[url] = 0
+        self._kept_last.discard(url)
 
 
 class RouteSession:
@@ -216,7 +241,7 @@ class RouteSession:
         while True:
             if self.stopped:
                 return self._not_dispatched()
-            url = self._current_server()
+            url = self.current_server()
             rid = f"{self.key}-{uuid.uuid4().hex[:12]}"
             router._outstanding[url] = router._outstanding.get(url, 0) + 1
             try:
@@ -227,10 +252,10 @@ class RouteSession:
                 attempt += 1
                 self.retries += 1
                 router.stats.retries += 1
-                log.info("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
-                if url in router.lifecycle.urls:
+                log.debug("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
+                if url in router.urls:
                     await router._on_failure(url, e)
-                if url not in router.lifecycle.urls:
+                if url not in router.urls:
                     self._unbind()  # move on to another server
                 continue
             finally:
@@ -246,7 +271,7 @@ class RouteSession:
         t0 = clock()
         # Wait for the gate here (not only inside Lifecycle.generate) so the wait is visible on the
         # timeline, and so a stop ends the wait (a sleeping engine would otherwise hold it forever).
-        if router.lifecycle.state is not EngineState.AWAKE and not await self._unless_stopped(router.lifecycle.wait_awake):
+        if not router.gate.is_open and not await self._unless_stopped(router.gate.wait_awake):
             return None
         slot = router._slot(url)
         if slot is not None:
@@ -265,7 +290,7 @@ class RouteSession:
             self.rids.append(rid)
             router.stats.requests += 1
             try:
-                return await router.lifecycle.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
+                return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
             finally:
                 self.in_flight_rid = None
                 self._idle.set()
@@ -292,8 +317,9 @@ class RouteSession:
             tg.cancel_scope.cancel()
         return done
 
-    def _current_server(self) -> str:
-        if self.url is not None and self.url not in self.router.lifecycle.urls:
+    def current_server(self) -> str:
+        """The server this trajectory is bound to (sticky); picks the least-loaded one if none."""
+        if self.url is not None and self.url not in self.router.urls:
             self._unbind()  # its server was taken out (by another trajectory's failure)
         if self.url is None:
             self.url = self.router._pick()
@@ -311,7 +337,7 @@ class RouteSession:
             return False
         if isinstance(e, EngineUnavailable):
             return True
-        if url not in self.router.lifecycle.urls:  # "no longer part of the lifecycle": taken out meanwhile
+        if url not in self.router.urls:  # taken out of rotation meanwhile
             return True
         return e.status is not None and e.status >= 500
 
@@ -320,7 +346,7 @@ class RouteSession:
             output_ids=[],
             output_logprobs=[],
             finish_reason={"type": "abort", "message": f"not dispatched: {self.stop_reason}"},
-            weight_version=self.router.lifecycle.weight_version or "",
+            weight_version=self.router.gate.weight_version or "",
             rid="",
             server_url=self.url or "",
         )

@@ -518,6 +518,12 @@ class SGLangClient(ServedModelChecks):
             raise EngineError("/server_info", 200, f"expected a JSON object, got {out!r:.200}", url=self.url)
         return out
 
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """POST /update_weight_version: set the served weight version string, nothing else (SGLang sets it
+        in its HTTP process; safe in any memory state). SGLang's own default aborts every request: ours does not."""
+        await self._success_call("/update_weight_version", {"new_version": str(new_version),
+                                                              "abort_all_requests": bool(abort_all_requests)})
+
     async def weight_version(self) -> str:
         """The served weight version (`/model_info`; SGLang removed `/get_weight_version`)."""
         return str((await self.model_info()).get("weight_version", ""))

@@ -132,6 +132,16 @@ class ToolRegistry:
         self._tools[name] = _Registered(tool, {"type": "function", "function": fn}, cls(params), create, release)
 
     @classmethod
+    def load(cls, path: str | Path | None) -> "ToolRegistry":
+        """The tools of a runtime: the YAML file at `path` (`agent.tools`), else the built-in default,
+        the calculator the shipped tiny model was trained to call. Used by `Runtime` and by Ray workers."""
+        if path is not None:
+            return cls.from_yaml(path)
+        from .builtin import CalculatorTool
+
+        return cls([CalculatorTool()])
+
+    @classmethod
     def from_yaml(cls, path: str | Path) -> "ToolRegistry":
         """Build from a YAML tool config (see `from_config`). Errors are `ToolConfigError`s naming the
         file and the line: of the YAML problem (a duplicated key included), or of the entry at fault."""

@@ -1,0 +1,305 @@
+"""Issue #14 on real SGLang, one GPU: servers that are attached to again and again, runtimes that are
+SIGKILLed, servers that die between steps. Writes JSON as it goes.
+
+    python tools/gpu_engine_faults.py OUT_DIR                # SGLang on the GPU (needs sglang + CUDA)
+    python tools/gpu_engine_faults.py OUT_DIR --dry-run      # the CPU engine stands in (debug the script)
+
+What it does, with the shipped tiny tool model (`agentloop.models.tiny_tool_model()`) served by
+`sglang.launch_server` through `agentloop.engine.launch` (memory saver on, as agentloop launches it):
+
+1. `consecutive_runs`: one server; three `agentloop rollout --engine-url URL --steps 2` runs in a
+   row, greedy (`--temperature 0`); their summaries must agree (statuses, tokens, tool calls,
+   rewards) and the server must be alive and awake after each (the first run of issue #14 left it
+   asleep and the second crashed it with a double release).
+2. `sigkill_mid_step`: on the same server, a rollout run is SIGKILLed while its first step's
+   trajectories are streaming out; a new `agentloop rollout --engine-url URL` run must then
+   complete on the same server, and the server must still be alive.
+3. `two_servers_one_killed`: two servers on the GPU (`--mem-fraction` each); a `Runtime` over both
+   runs a step, one server's process group is SIGKILLed between steps, the next step must complete
+   on the other one (metrics name the dead one), the server is restarted on its port, and the step
+   after must re-admit it and use both.
+
+OUT_DIR/gpu_engine_faults.json is rewritten after every stage (so a run cut short keeps what it
+measured) with per-stage results and `checks`; server logs' tails go to OUT_DIR/gpu_engine_faults.log.
+Exit code 0 only if every check holds. Expected on an H200: ~1 min per server start, ~4 min in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+#: Summary fields that must agree between greedy runs (timings differ run to run).
+SAME_FIELDS = ("steps", "trajectories", "status", "tool_calls", "trajectories_with_tool_call", "reward_mean",
+               "generated_tokens")
+
+
+class Results:
+    """The JSON document, written after every change."""
+
+    def __init__(self, out_dir: Path, dry_run: bool) -> None:
+        self.path = out_dir / "gpu_engine_faults.json"
+        self.doc: dict[str, Any] = {
+            "command": " ".join([sys.executable, *sys.argv]), "dry_run": dry_run,
+            "note": "DRY RUN: the CPU engine stood in for SGLang; not GPU results" if dry_run else "",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "stages": {}, "checks": {},
+        }
+        self.save()
+
+    def stage(self, name: str, **data: Any) -> None:
+        self.doc["stages"].setdefault(name, {}).update(data)
+        self.save()
+
+    def check(self, name: str, ok: bool) -> bool:
+        self.doc["checks"][name] = bool(ok)
+        self.save()
+        return bool(ok)
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.doc, indent=1, default=str))
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def rollout_argv(url: str, out: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "agentloop", "rollout", "--engine-url", url, "--out", str(out), "--steps", str(steps),
+            "--prompts-per-step", "16", "--n", "2", "--temperature", "0", "-q", "--no-timeline"]
+
+
+def comparable(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary.get(k) for k in SAME_FIELDS}
+
+
+class Server:
+    """One engine server: SGLang on the GPU, or (dry run) the CPU engine; restartable on its port."""
+
+    def __init__(self, model: Path, dry_run: bool, mem_fraction: float, port: int | None = None) -> None:
+        self.model, self.dry_run, self.mem_fraction, self.port = model, dry_run, mem_fraction, port
+        self.proc: Any = None
+
+    async def start(self, timeout: float) -> str:
+        if self.dry_run:
+            from agentloop.engine.local.process import LocalEngineProcess
+
+            self.proc = LocalEngineProcess(self.model, port=self.port)
+        else:
+            from agentloop.engine.launch import SGLangLaunchConfig, SGLangServer
+
+            self.proc = SGLangServer(SGLangLaunchConfig(model_path=str(self.model), port=self.port,
+                                                        mem_fraction_static=self.mem_fraction))
+        url = await self.proc.start(timeout=timeout)
+        self.port = int(url.rsplit(":", 1)[1])
+        return url
+
+    @property
+    def pid(self) -> int:
+        return self.proc._proc.pid if self.dry_run else self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the server (its whole process group for SGLang: scheduler and detokenizer too)."""
+        if self.dry_run:
+            os.kill(self.pid, signal.SIGKILL)
+        else:
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def alive(self) -> bool:
+        p = self.proc._proc if self.dry_run else self.proc.proc
+        return p is not None and p.poll() is None
+
+    def log_tail(self) -> str:
+        return self.proc.log_tail(30)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.alive():
+            await self.proc.stop()
+
+
+async def server_state(url: str) -> dict[str, Any]:
+    from agentloop.engine.sglang import SGLangClient
+
+    async with SGLangClient(url, timeout=10) as c:
+        try:
+            info = await c.model_info()
+        except Exception as e:  # dead: say how
+            return {"alive": False, "error": f"{type(e).__name__}: {e}"}
+        return {"alive": True, "weight_version": info.get("weight_version")}
+
+
+def gpu_used_gib() -> float | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            return round((total - free) / 2**30, 3)
+    except Exception:
+        pass
+    return None
+
+
+async def consecutive_runs(res: Results, url: str, work: Path, runs: int) -> None:
+    summaries = []
+    for i in range(runs):
+        out = work / f"run{i}"
+        t0 = time.monotonic()
+        done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+            rollout_argv(url, out, 2), capture_output=True, text=True, env=env(), timeout=600))
+        state = await server_state(url)
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
+        summaries.append(summary)
+        res.stage("consecutive_runs", **{f"run{i}": {
+            "exit_code": done.returncode, "seconds": round(time.monotonic() - t0, 2), "server_after": state,
+            "gpu_used_gib_after": gpu_used_gib(), "summary": comparable(summary) if summary else None,
+            "stderr_tail": done.stderr[-1500:]}})
+        res.check(f"consecutive_run{i}_ok", done.returncode == 0 and state["alive"])
+        res.check(f"consecutive_run{i}_left_awake", state.get("weight_version") == "default")
+    ok = all(s is not None for s in summaries) and all(comparable(s) == comparable(summaries[0]) for s in summaries)
+    res.check("consecutive_runs_identical_summaries", ok)
+
+
+async def sigkill_mid_step(res: Results, url: str, work: Path) -> None:
+    out = work / "killed"
+    proc = subprocess.Popen(rollout_argv(url, out, 3), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
+    lines = 0
+    deadline = time.monotonic() + 300
+    stream = out / "trajectories.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        lines = len(stream.read_text().splitlines()) if stream.exists() else 0
+        if lines >= 2:  # the first step's trajectories are streaming out: mid-step
+            break
+        await anyio.sleep(0.05)
+    killed_mid_step = proc.poll() is None and lines >= 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    await anyio.sleep(1.0)
+    state = await server_state(url)
+    res.stage("sigkill_mid_step", killed_after_trajectories=lines, killed_mid_step=killed_mid_step, server_after_kill=state)
+    res.check("sigkill_hit_mid_step", killed_mid_step)
+    res.check("server_alive_after_sigkill", state["alive"])
+    out2 = work / "after_kill"
+    done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+        rollout_argv(url, out2, 2), capture_output=True, text=True, env=env(), timeout=600))
+    summary = json.loads((out2 / "summary.json").read_text()) if (out2 / "summary.json").exists() else None
+    state = await server_state(url)
+    res.stage("sigkill_mid_step", next_run_exit_code=done.returncode, next_run_summary=comparable(summary) if summary else None,
+              server_after_next_run=state, next_run_stderr_tail=done.stderr[-1500:])
+    res.check("next_run_after_sigkill_ok", done.returncode == 0 and summary is not None
+              and summary["status"].get("failed", 0) == 0 and state["alive"])
+
+
+async def two_servers_one_killed(res: Results, model: Path, args: argparse.Namespace, work: Path) -> None:
+    from agentloop.runtime import Runtime
+
+    servers = [Server(model, args.dry_run, args.mem_fraction), Server(model, args.dry_run, args.mem_fraction)]
+    urls = []
+    for s in servers:
+        urls.append(await s.start(args.start_timeout))
+    res.stage("two_servers_one_killed", urls=urls, gpu_used_gib_both_up=gpu_used_gib())
+    cfg = {"engine": {"urls": urls, "tokenizer": str(model), "liveness_timeout": 5.0},
+           "scheduler": {"n": 2, "concurrency": 64}, "agent": {"temperature": 0.0}}
+    from agentloop.data import arithmetic_prompts
+
+    rows = [json.loads(x) for x in arithmetic_prompts().read_text().splitlines() if x.strip()]
+
+    def samples(step: int) -> list[dict[str, Any]]:  # dataset rows, as the CLI reads them
+        return [dict(r, uid=f"s{step}-{i}") for i, r in enumerate(rows[16 * step:16 * step + 16])]
+
+    def step_record(r: Any) -> dict[str, Any]:
+        m = r.metrics
+        return {"status_counts": m["status_counts"], "trajectories": len(r.trajectories), "carried_over": len(r.carry_over),
+                "servers_used": sorted({u for t in r.trajectories for u in t.extra.get("servers", [])}),
+                "servers_removed": m.get("servers_removed"), "servers_readmitted": m.get("servers_readmitted"),
+                "servers_out_of_rotation": m.get("servers_out_of_rotation"), "stage_seconds": m.get("stage_seconds"),
+                "generations_outside_awake": m.get("generations_outside_awake")}
+
+    try:
+        async with Runtime(cfg) as rt:
+            r1 = await rt.step(samples(1))
+            res.stage("two_servers_one_killed", step1=step_record(r1))
+            servers[1].kill()
+            await anyio.sleep(1.0)
+            res.stage("two_servers_one_killed", killed=urls[1], killed_alive=servers[1].alive())
+            r2 = await rt.step(samples(2))
+            res.stage("two_servers_one_killed", step2=step_record(r2))
+            res.check("step_after_kill_completes_on_the_other", len(r2.trajectories) == 32
+                      and r2.metrics["status_counts"]["failed"] == 0 and step_record(r2)["servers_used"] == [urls[0]]
+                      and urls[1] in (r2.metrics.get("servers_removed") or {}))
+            servers[1] = Server(model, args.dry_run, args.mem_fraction, port=servers[1].port)
+            await servers[1].start(args.start_timeout)
+            r3 = await rt.step(samples(3))
+            res.stage("two_servers_one_killed", step3=step_record(r3), gpu_used_gib_after_step3=gpu_used_gib())
+            res.check("restarted_server_readmitted", r3.metrics.get("servers_readmitted") == [urls[1]]
+                      and step_record(r3)["servers_used"] == sorted(urls) and r3.metrics["status_counts"]["failed"] == 0)
+            res.check("no_generation_outside_awake", rt.lifecycle.generations_outside_awake == 0)
+        states = [await server_state(u) for u in urls]
+        res.stage("two_servers_one_killed", servers_after_stop=states)
+        res.check("both_servers_alive_and_awake_after_stop", all(s["alive"] and s["weight_version"] == "default" for s in states))
+    finally:
+        for s in servers:
+            with anyio.CancelScope(shield=True):
+                res.stage("two_servers_one_killed", **{f"log_tail_{s.port}": s.log_tail()})
+                await s.stop()
+
+
+async def main(args: argparse.Namespace) -> int:
+    from agentloop.models import tiny_tool_model
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = Results(out_dir, args.dry_run)
+    work = Path(tempfile.mkdtemp(prefix="gpu_faults_"))
+    model = tiny_tool_model()
+    server = Server(model, args.dry_run, args.mem_fraction)
+    try:
+        t0 = time.monotonic()
+        url = await server.start(args.start_timeout)
+        res.stage("server", url=url, start_seconds=round(time.monotonic() - t0, 1), gpu_used_gib=gpu_used_gib())
+        await consecutive_runs(res, url, work, args.runs)
+        await sigkill_mid_step(res, url, work)
+        res.check("first_server_never_crashed", server.alive())
+        res.stage("server", log_tail=server.log_tail())
+        await server.stop()
+        await two_servers_one_killed(res, model, args, work)
+    except Exception:
+        res.stage("error", traceback=traceback.format_exc())
+        res.check("no_error", False)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await server.stop()
+    res.doc["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    res.save()
+    failed = [k for k, v in res.doc["checks"].items() if not v]
+    print(json.dumps({"checks": res.doc["checks"], "failed": failed, "results": str(res.path)}, indent=1))
+    return 1 if failed else 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", help="where gpu_engine_faults.json goes")
+    p.add_argument("--dry-run", action="store_true", help="the CPU engine stands in for SGLang (to debug this script)")
+    p.add_argument("--runs", type=int, default=3, help="consecutive rollout runs against one server")
+    p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each SGLang server")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to come up")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main, parse()))
