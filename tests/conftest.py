@@ -56,26 +56,3 @@ def start_local_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cal
 def local_engine(start_local_engine: Callable[..., str], random_model_dir: Path) -> str:
     return start_local_engine(random_model_dir)
 
-
-async def _wake_attached(url: str, model_dir: Path) -> None:
-    import aiohttp
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        async with s.get(f"{url}/server_info") as r:
-            released = (await r.json())["internal_states"][0]["released_tags"]
-        if released:
-            async with s.post(f"{url}/resume_memory_occupation", json={"tags": released}) as r:
-                assert r.status == 200, await r.text()
-        if "weights" in released:  # resumed weights are zeros until loaded again
-            async with s.post(f"{url}/update_weights_from_disk", json={"model_path": str(model_dir)}) as r:
-                assert r.status == 200, await r.text()
-
-
-@pytest.fixture
-def wake_attached() -> Callable[[str, Path], None]:
-    """`wake_attached(url, model_dir)`: a CPU engine that a runtime left asleep serves `model_dir` again
-    (only the released tags are resumed: a no-op on an awake engine). For tests that attach several
-    runtimes to one module-scoped engine: attaching to a sleeping server is issue 14's attach state —
-    until the runtime handles it, a second runtime's start-up sleep would release released memory,
-    which the CPU engine refuses as real SGLang dies on it."""
-    return lambda url, model_dir: _run(lambda: _wake_attached(url, Path(model_dir)))

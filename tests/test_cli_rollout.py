@@ -194,10 +194,9 @@ def signal_mid_step(cmd: list[str], sig: int, *, stop_timeout: float = 90) -> tu
     return proc.returncode, "".join(seen), stdout, stderr
 
 
-def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str], random_model_dir: Path, wake_attached: Any) -> None:
+def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
     out = tmp_path / "out"
     url = two_engines[0]
-    wake_attached(url, random_model_dir)  # the test before left it asleep
     rc, seen, stdout, stderr = signal_mid_step(
         rollout_cmd("--engine-url", url, "--out", str(out), "--prompts-per-step", "16", "--n", "2", "--steps", "5",
                     "--quiet", "--max-new-tokens", "64", "--concurrency", "8"), signal.SIGINT)

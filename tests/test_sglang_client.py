@@ -524,6 +524,10 @@ async def test_generations_outside_awake_counts_what_leaves_the_client_after_the
                 "id": "r", "finish_reason": {"type": "length", "length": 1}, "output_token_logprobs": [[-0.1, 1, None]]}})
         if request.path == "/flush_cache":
             return web.Response(text="Cache flushed.")
+        if request.path == "/model_info":  # the lifecycle's liveness probe
+            return web.json_response({"model_path": "/m", "weight_version": "default"})
+        if request.path == "/update_weight_version":  # the lifecycle's memory marks
+            return web.json_response({"success": True, "message": "ok"})
         return web.json_response({"message": "ok", "status": "ok"} if "generation" in request.path else None)
 
     app = web.Application()

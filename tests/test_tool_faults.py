@@ -126,11 +126,9 @@ def tiny_engine(start_local_engine: Callable[..., str]) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-async def test_a_hostile_tool_never_stalls_or_ends_the_step(case: str, tiny_engine: tuple[str, str],
-                                                           wake_attached: Any) -> None:
+async def test_a_hostile_tool_never_stalls_or_ends_the_step(case: str, tiny_engine: tuple[str, str]) -> None:
     make, says, kind = CASES[case]
     url, model = tiny_engine
-    wake_attached(url, model)  # the case before left it asleep
     rows = load_dataset(arithmetic_prompts()).samples[:4]
     cfg = {
         "engine": {"urls": [url], "tokenizer": model},
