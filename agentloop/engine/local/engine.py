@@ -7,7 +7,7 @@ forward pass. Slow preparation that touches no engine state (reading safetensors
 base64-decoding tensor payloads) runs in a helper thread first. Errors meant for the client are
 `EngineInputError` (HTTP 4xx/503 with a message); the server maps them. Length rules and weight
 updates follow SGLang: prompt + explicit max_new_tokens beyond the context is refused (no silent
-clipping), and an update waits for the generates in flight (`model_update_lock`, rwlock.py).
+clipping), and an update waits for the generates in flight (`ModelUpdateLock`, below).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import asyncio
 import itertools
 import logging
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 
@@ -25,7 +26,6 @@ from . import weights as weight_io
 from .memory import MemoryManager, MemoryTagError, normalize_tags
 from .model_runner import ModelRunner
 from .request import Notifier, Request
-from .rwlock import ModelUpdateLock
 from .sampling import NO_LIMIT, RequestSampling, SamplingParamsError
 from .scheduler import PAUSE_MODES, Scheduler
 
@@ -40,6 +40,57 @@ class EngineInputError(ValueError):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class ModelUpdateLock:
+    """SGLang's `model_update_lock` (an asyncio readers-writer lock). Every generate holds a reader
+    share for its whole life; a weight update takes the writer side, so it waits until the generates
+    in flight have finished, and generates arriving while an update waits queue behind it (writer
+    preference, like sglang's `utils/aio_rwlock.RWLock`): no request ever mixes two weight versions.
+    As in SGLang's tokenizer manager, an update sent while generation is paused skips the lock (the
+    caller paused on purpose) and `abort_all_requests` aborts the generates first."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer_active = False
+        self._waiting_writers = 0
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+    @asynccontextmanager
+    async def reader(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer_active and self._waiting_writers == 0)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @asynccontextmanager
+    async def writer(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting_writers += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer_active and self._readers == 0)
+            except BaseException:  # cancelled while waiting: readers queued behind us may go now
+                self._waiting_writers -= 1
+                self._cond.notify_all()
+                raise
+            self._waiting_writers -= 1
+            self._writer_active = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer_active = False
+                self._cond.notify_all()
 
 
 class LocalEngine:
@@ -69,7 +120,7 @@ class LocalEngine:
         self.scheduler.weight_version = weight_version
         self.seed = seed
         self._counter = itertools.count()
-        #: Generates hold it shared; weight updates exclusively (see rwlock.py).
+        #: Generates hold it shared; weight updates exclusively (`ModelUpdateLock`).
         self.model_update_lock = ModelUpdateLock()
         self._flush_pending = False
 

@@ -13,7 +13,7 @@ Follows sglang 0.5.17 (`managers/io_struct.GenerateReqInput`, `tokenizer_manager
 - errors: validation errors are 400 `{"error": {"message"}}`; with `stream: true` SGLang has already
   answered 200, so they (and failures mid-stream) arrive as `data: {"error": {message, type, code,
   retryable}}` followed by `data: [DONE]`.
-Every generate holds a share of the engine's model-update lock for its whole life (rwlock.py).
+Every generate holds a share of the engine's model-update lock for its whole life (`engine.ModelUpdateLock`).
 """
 
 from __future__ import annotations
@@ -223,11 +223,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except EngineInputError as e:
         if not stream:
             raise
-        resp = await _open_stream(request)
-        await resp.write(stream_error(e.message, e.status))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await _stream_failure(request, e.message, e.status)
     for r in reqs:
         r.stream = stream
     loop = asyncio.get_running_loop()
@@ -244,11 +240,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     if not r.finished:
                         await engine.abort(r.rid)
                 if stream:
-                    resp = await _open_stream(request)
-                    await resp.write(stream_error(failed.error[1], failed.error[0]))
-                    await resp.write(b"data: [DONE]\n\n")
-                    await resp.write_eof()
-                    return resp
+                    return await _stream_failure(request, failed.error[1], failed.error[0])
                 return _failure(*failed.error)
             if stream:
                 return await _stream(request, reqs, watches, as_list)
@@ -270,6 +262,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _open_stream(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    return resp
+
+
+async def _stream_failure(request: web.Request, message: str, status: int) -> web.StreamResponse:
+    """A refused streaming generate: SGLang has answered 200 already, so the error is a chunk."""
+    resp = await _open_stream(request)
+    await resp.write(stream_error(message, status))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
     return resp
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 
@@ -63,7 +64,7 @@ class BatchKV:
         target = max(self.padded_len, other.padded_len)
         self.keys = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.keys, other.keys)]
         self.values = [torch.cat([_lpad(a, target), _lpad(b, target)], dim=0) for a, b in zip(self.values, other.values)]
-        self.mask = torch.cat([_lpad_mask(self.mask, target), _lpad_mask(other.mask, target)], dim=0)
+        self.mask = torch.cat([_lpad(self.mask, target), _lpad(other.mask, target)], dim=0)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order) and trim padding no remaining row needs."""
@@ -86,15 +87,6 @@ class BatchKV:
 
 
 def _lpad(t: torch.Tensor, target: int) -> torch.Tensor:
-    pad = target - t.shape[2]
-    if pad == 0:
-        return t
-    zeros = t.new_zeros(t.shape[0], t.shape[1], pad, t.shape[3])
-    return torch.cat([zeros, t], dim=2)
-
-
-def _lpad_mask(m: torch.Tensor, target: int) -> torch.Tensor:
-    pad = target - m.shape[1]
-    if pad == 0:
-        return m
-    return torch.cat([m.new_zeros(m.shape[0], pad), m], dim=1)
+    """Left-pad a [B, heads, P, dim] cache tensor (dim=2) or a [B, P] mask (dim=1) with zeros to `target`."""
+    pad = target - t.shape[-2 if t.dim() == 4 else -1]
+    return t if pad == 0 else F.pad(t, (0, 0, pad, 0) if t.dim() == 4 else (pad, 0))

@@ -1,20 +1,12 @@
 """Continuous batching for the CPU engine: the worker thread that admits, prefills and decodes.
 
-Why not transformers' own continuous batching? `ContinuousBatchingManager` / `generate_batch`
-(transformers 5.24, paged attention) was evaluated first (its source: `continuous_api.py`,
-`model_runner.py`, `cb_logits_processors.py`). It batches well and can cancel a request, but an RL
-rollout engine needs what it lacks:
-- greedy vs sampling is fixed per manager (`do_sample` of one `GenerationConfig`), so greedy and
-  sampled requests cannot share a batch, and sampling draws from the global RNG
-  (`torch.multinomial` without a generator): no per-request seeds, so no reproducible rollouts;
-- its logprobs are `log(probs)` of the distribution *after* the logits processors (top-k/top-p
-  masking, renormalised), not SGLang's temperature-scaled, untruncated logprob of the sampled
-  token, and there are no top-logprobs or prompt logprobs;
-- no min_new_tokens, and no pause that keeps requests (in place) or retracts them for re-prefill;
-- its paged KV cache lives inside the manager: releasing it means destroying the manager (and
-  every request in it) — workable, but combined with the above not worth the coupling.
-So this module is a small loop of our own (nano-vllm sized) on top of transformers' model forward
-and `DynamicCache`, and uses the manager for nothing.
+Why not transformers' own continuous batching (`ContinuousBatchingManager`, transformers 5.24,
+evaluated first)? It batches well and can cancel, but: greedy vs sampling is fixed per manager and
+sampling draws from the global RNG (no per-request seeds, so no reproducible rollouts); its logprobs
+are taken after top-k/top-p truncation (not SGLang's temperature-scaled, untruncated ones), with no
+top or prompt logprobs; it has no min_new_tokens and no pause that keeps or retracts requests; and
+its KV cache can only be released by destroying the manager. So this is a small loop of our own on
+transformers' model forward and `DynamicCache`.
 
 Each iteration of the worker thread: run queued control commands (submit, abort, pause, memory,
 weight updates — they all execute here, between forward passes, so they never race a forward);
