@@ -45,3 +45,22 @@ async def test_client_refuses_before_sending_and_the_setting_turns_it_off() -> N
                             check_finite_weights=False) as client:
         with pytest.raises(EngineError, match="cannot connect"):
             await client.update_weights_from_tensor(named)
+
+
+def test_benchmark_runs_and_reports_ms_per_gb(tmp_path) -> None:
+    """`benchmarks/weight_finite_check.py --smoke` (the GPU script runs it with `--device cuda`)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import weight_finite_check
+    finally:
+        sys.path.remove(str(bench))
+    assert weight_finite_check.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "weight_finite_check_cpu_smoke.json").read_text())
+    assert report["benchmark"] == "weight_finite_check" and report["hardware"]["device"] == "cpu"
+    assert [r["dtype"] for r in report["results"]] == ["float32", "bfloat16"]
+    assert all(r["check_finite_ms_per_gb"] > 0 and r["isfinite_all_ms_per_gb"] > 0 for r in report["results"])
