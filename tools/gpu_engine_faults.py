@@ -11,8 +11,8 @@ What it does, with the shipped tiny tool model (`agentloop.models.tiny_tool_mode
    row, greedy (`--temperature 0`); their summaries must agree (statuses, tokens, tool calls,
    rewards) and the server must be alive and awake after each (the first run of issue #14 left it
    asleep and the second crashed it with a double release).
-2. `sigkill_mid_step`: on the same server, a rollout run is SIGKILLed while its first step's
-   trajectories are streaming out; a new `agentloop rollout --engine-url URL` run must then
+2. `sigkill_mid_step`: on the same server, a rollout run is SIGKILLed while its first step rolls
+   out (the server's weight version shows it went asleep at start-up and is awake again); a new `agentloop rollout --engine-url URL` run must then
    complete on the same server, and the server must still be alive.
 3. `two_servers_one_killed`: two servers on the GPU (`--mem-fraction` each); a `Runtime` over both
    runs a step, one server's process group is SIGKILLed between steps, the next step must complete
@@ -21,7 +21,11 @@ What it does, with the shipped tiny tool model (`agentloop.models.tiny_tool_mode
 
 OUT_DIR/gpu_engine_faults.json is rewritten after every stage (so a run cut short keeps what it
 measured) with per-stage results and `checks`; server logs' tails go to OUT_DIR/gpu_engine_faults.log.
-Exit code 0 only if every check holds. Expected on an H200: ~1 min per server start, ~4 min in all.
+Exit code 0 only if every check holds. Expected on an H200: ~1-2 min per server start (three starts,
+the two-server one concurrent), ~6 min in all; the dry run takes ~3 min on 2 CPU cores.
+
+On the GPU host, from the repo root (sglang installed, e.g. `source shared/gpu/install_on_device.sh`):
+    PYTHONPATH=. python3 tools/gpu_engine_faults.py benchmarks/results/gpu_engine_faults
 """
 
 from __future__ import annotations
@@ -176,22 +180,34 @@ async def consecutive_runs(res: Results, url: str, work: Path, runs: int) -> Non
 
 
 async def sigkill_mid_step(res: Results, url: str, work: Path) -> None:
+    from agentloop.engine.lifecycle_types import MemoryMark
+    from agentloop.engine.sglang import SGLangClient
+
     out = work / "killed"
     proc = subprocess.Popen(rollout_argv(url, out, 3), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
-    lines = 0
+    # Mid-step = the server went asleep (the run's start-up sleep marks its weight version) and then
+    # awake again (step 1's wake-up ended with the plain version): the step is rolling out.
+    seen_asleep, killed_mid_step, version = False, False, None
     deadline = time.monotonic() + 300
-    stream = out / "trajectories.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        lines = len(stream.read_text().splitlines()) if stream.exists() else 0
-        if lines >= 2:  # the first step's trajectories are streaming out: mid-step
-            break
-        await anyio.sleep(0.05)
-    killed_mid_step = proc.poll() is None and lines >= 2
+    async with SGLangClient(url, timeout=10) as client:
+        while time.monotonic() < deadline and proc.poll() is None:
+            version = str((await client.model_info()).get("weight_version"))
+            asleep = bool(MemoryMark.decode(version).released)
+            if seen_asleep and not asleep:
+                await anyio.sleep(0.3)  # requests in flight
+                version = str((await client.model_info()).get("weight_version"))
+                killed_mid_step = proc.poll() is None and not MemoryMark.decode(version).released
+                break
+            seen_asleep = seen_asleep or asleep
+            await anyio.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    stream = out / "trajectories.jsonl"
+    lines = len(stream.read_text().splitlines()) if stream.exists() else 0
     await anyio.sleep(1.0)
     state = await server_state(url)
-    res.stage("sigkill_mid_step", killed_after_trajectories=lines, killed_mid_step=killed_mid_step, server_after_kill=state)
+    res.stage("sigkill_mid_step", killed_after_trajectories=lines, killed_mid_step=killed_mid_step,
+              weight_version_at_kill=version, server_after_kill=state)
     res.check("sigkill_hit_mid_step", killed_mid_step)
     res.check("server_alive_after_sigkill", state["alive"])
     out2 = work / "after_kill"
@@ -209,9 +225,14 @@ async def two_servers_one_killed(res: Results, model: Path, args: argparse.Names
     from agentloop.runtime import Runtime
 
     servers = [Server(model, args.dry_run, args.mem_fraction), Server(model, args.dry_run, args.mem_fraction)]
-    urls = []
-    for s in servers:
-        urls.append(await s.start(args.start_timeout))
+    urls = ["", ""]
+
+    async def start(i: int) -> None:
+        urls[i] = await servers[i].start(args.start_timeout)
+
+    async with anyio.create_task_group() as tg:  # both at once: the start-up is most of the wait
+        for i in range(2):
+            tg.start_soon(start, i)
     res.stage("two_servers_one_killed", urls=urls, gpu_used_gib_both_up=gpu_used_gib())
     cfg = {"engine": {"urls": urls, "tokenizer": str(model), "liveness_timeout": 5.0},
            "scheduler": {"n": 2, "concurrency": 64}, "agent": {"temperature": 0.0}}
