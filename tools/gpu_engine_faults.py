@@ -24,7 +24,7 @@ measured) with per-stage results and `checks`; server logs' tails go to OUT_DIR/
 Exit code 0 only if every check holds. Expected on an H200: ~1-2 min per server start (three starts,
 the two-server one concurrent), ~6 min in all; the dry run takes ~3 min on 2 CPU cores.
 
-On the GPU host, from the repo root (sglang installed, e.g. `source shared/gpu/install_on_device.sh`):
+On the GPU host, from the repo root (sglang installed, e.g. `source tools/gpu/install_on_device.sh`):
     PYTHONPATH=. python3 tools/gpu_engine_faults.py benchmarks/results/gpu_engine_faults
 """
 
