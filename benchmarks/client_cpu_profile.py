@@ -20,14 +20,16 @@ inflates both ways alike; the ratio comes from the unprofiled pass).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import pstats
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import aiohttp
 import anyio
@@ -88,6 +90,26 @@ async def run_agentloop(rt: Runtime, work: list[list[dict[str, Any]]], args: arg
     return int(res.metrics["sampled_tokens"])
 
 
+@contextlib.contextmanager
+def gc_timer() -> Iterator[list[float]]:
+    """Seconds the garbage collector ran inside the block (in `[0]` when it ends): part of the CPU
+    measured, and with a large heap (torch is imported) one full collection is a visible share."""
+    acc = [0.0]
+    t0 = [0.0]
+
+    def cb(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            t0[0] = time.process_time()
+        else:
+            acc[0] += time.process_time() - t0[0]
+
+    gc.callbacks.append(cb)
+    try:
+        yield acc
+    finally:
+        gc.callbacks.remove(cb)
+
+
 def top(prof: cProfile.Profile, key: str, n: int) -> list[dict[str, Any]]:
     st = pstats.Stats(prof, stream=io.StringIO())
     st.sort_stats(key)
@@ -140,18 +162,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 return await run_bare(engine.url, a)
 
             async def measured(mode: str, a: argparse.Namespace, tag: str,
-                               prof: cProfile.Profile | None = None) -> tuple[int, float, float]:
+                               prof: cProfile.Profile | None = None) -> tuple[int, float, float, float]:
                 if mode == "bare":  # the engine sleeps between steps: wake it (outside the measurement) as a step does
                     await lc.wake_up(weights())
+                # Each run starts from a collected heap, so neither way pays for the other's garbage.
+                gc.collect()
                 try:
                     if prof is not None:
                         prof.enable()
-                    c0, w0 = time.process_time(), time.perf_counter()
-                    tokens = await run(mode, a, tag)
-                    c, w = time.process_time() - c0, time.perf_counter() - w0
+                    with gc_timer() as gc_s:
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        tokens = await run(mode, a, tag)
+                        c, w = time.process_time() - c0, time.perf_counter() - w0
                     if prof is not None:
                         prof.disable()
-                    return tokens, c, w
+                    return tokens, c, w, gc_s[0]
                 finally:
                     if mode == "bare":
                         await lc.sleep()
@@ -160,20 +185,23 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for mode in ("agentloop", "bare"):
                 await measured(mode, warm, "warm")
             cpu: dict[str, list[float]] = {"bare": [], "agentloop": []}
+            gcs: dict[str, list[float]] = {"bare": [], "agentloop": []}
             for rep in range(args.repeats):
                 for mode in (("bare", "agentloop") if rep % 2 == 0 else ("agentloop", "bare")):
-                    tokens, c, w = await measured(mode, args, f"r{rep}")
+                    tokens, c, w, g = await measured(mode, args, f"r{rep}")
                     cpu[mode].append(1000 * c / tokens)
-                    print(f"{mode:9s} {tokens} tokens  {w:6.2f}s wall  {c:6.2f}s CPU  {1000 * c / tokens:.4f} CPU-s/1k tok",
-                          flush=True)
+                    gcs[mode].append(g)
+                    print(f"{mode:9s} {tokens} tokens  {w:6.2f}s wall  {c:6.2f}s CPU  {1000 * c / tokens:.4f} CPU-s/1k tok"
+                          f"  (gc {g:.3f}s)", flush=True)
             out["cpu_seconds_per_1k_tokens"] = {m: r4(sorted(v)[len(v) // 2]) for m, v in cpu.items()}
             out["cpu_seconds_per_1k_tokens_all"] = {m: [r4(x) for x in v] for m, v in cpu.items()}
+            out["gc_seconds_all"] = {m: [r4(x) for x in v] for m, v in gcs.items()}
             out["agentloop_over_bare_cpu"] = r4(out["cpu_seconds_per_1k_tokens"]["agentloop"] /
                                                 out["cpu_seconds_per_1k_tokens"]["bare"])
             profiles = {}
             for mode in ("bare", "agentloop"):
                 prof = cProfile.Profile(time.process_time)
-                tokens, _, _ = await measured(mode, args, "prof", prof)
+                tokens, _, _, _ = await measured(mode, args, "prof", prof)
                 total = sum(v[2] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
                 profiles[mode] = {"tokens": tokens, "profiled_cpu_s": r4(total),
                                   "by_module": by_module(prof, args.top), "top_own": top(prof, "tottime", args.top),
@@ -231,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_seconds_per_1k_tokens": "this process's CPU seconds (time.process_time) per 1000 generated tokens, median "
                                      "over repeats, unprofiled",
         "top_own / top_cumulative": "cProfile with a CPU-time clock, one extra pass of each way",
+        "gc_seconds_all": "CPU seconds the garbage collector ran during each unprofiled run (included in its CPU); "
+                          "every run starts after a gc.collect()",
     }, measure, plot)
 
 

@@ -206,7 +206,8 @@ class RouteSession:
         self.servers: list[str] = []  #: every server this trajectory was bound to, in order
         self.retries = 0
         self._closed = False
-        self._stop_event = anyio.Event()
+        self._stop_event = anyio.Event()  #: set by `stop()` (the Ray pool forwards stops on it)
+        self._waits: set[anyio.CancelScope] = set()  #: gate/slot waits a stop must end
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -216,6 +217,8 @@ class RouteSession:
         if self.stop_reason is None:
             self.stop_reason = reason
             self._stop_event.set()
+            for scope in self._waits:
+                scope.cancel()
 
     @property
     def stopped(self) -> bool:
@@ -303,18 +306,16 @@ class RouteSession:
         """Run `wait()` unless the session is stopped first; True if `wait` completed."""
         if self.stopped:
             return False
+        # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event:
+        # most turns wait for a slot, and a task per wait was a large share of the client's CPU.
         done = False
-
-        async def waiter(scope: anyio.CancelScope) -> None:
-            nonlocal done
-            await wait()
-            done = True
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter, tg.cancel_scope)
-            await self._stop_event.wait()
-            tg.cancel_scope.cancel()
+        with anyio.CancelScope() as scope:
+            self._waits.add(scope)
+            try:
+                await wait()
+                done = True
+            finally:
+                self._waits.discard(scope)
         return done
 
     def current_server(self) -> str:

@@ -64,6 +64,7 @@ from .base import (
     engine_url,
     parse_generate_response,
 )
+from . import wire_json
 from .served_model import ServedModelChecks, TensorTransport
 from .weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
 
@@ -98,6 +99,7 @@ async def _on_reused(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
         ctx.trace_request_ctx["reused"] = True
 #: asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
 _TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def error_message(body: bytes | str) -> str:
@@ -259,7 +261,10 @@ class SGLangClient(ServedModelChecks):
             replied = False
             try:
                 kwargs: dict[str, Any] = {"timeout": tmo, "trace_request_ctx": conn}
-                if body is not None:
+                if isinstance(body, bytes):  # already JSON (see wire_json)
+                    kwargs["data"] = body
+                    kwargs["headers"] = _JSON_HEADERS
+                elif body is not None:
                     kwargs["json"] = body
                 async with self._get_session().request(method, self.url + endpoint, **kwargs) as resp:
                     replied = True
@@ -297,7 +302,7 @@ class SGLangClient(ServedModelChecks):
         if not data:
             return None
         try:
-            return json.loads(data)
+            return wire_json.loads(data)
         except ValueError as e:
             raise EngineError(endpoint, 200, f"response is not JSON: {data[:200]!r}", url=self.url) from e
 
@@ -335,15 +340,14 @@ class SGLangClient(ServedModelChecks):
             sampling_params = SamplingParams.from_mapping(sampling_params)
         # A rid is always sent so every request can be aborted by id.
         rid = rid or uuid.uuid4().hex
-        ids = [int(t) for t in input_ids]
+        # Both run over the whole context on every turn: map/min/max keep them in C.
+        ids = list(map(int, input_ids))
         vocab = await self.resolve_vocab_size()
-        if vocab is not None:
-            bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise EngineError("/generate", None, f"refused before sending: input_ids[{bad[0]}]={bad[1]} is out of "
-                                  f"vocabulary [0, {vocab}) (request {rid})", url=self.url)
-        body = {
-            "input_ids": ids,
+        if vocab is not None and ids and (min(ids) < 0 or max(ids) >= vocab):
+            i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise EngineError("/generate", None, f"refused before sending: input_ids[{i}]={t} is out of "
+                              f"vocabulary [0, {vocab}) (request {rid})", url=self.url)
+        body: dict[str, Any] = {
             "sampling_params": sampling_params.to_json(),
             "return_logprob": bool(return_logprob),
             "rid": rid,
@@ -352,8 +356,9 @@ class SGLangClient(ServedModelChecks):
             body["logprob_start_len"] = int(logprob_start_len)
         if top_logprobs_num is not None:
             body["top_logprobs_num"] = int(top_logprobs_num)
+        payload = wire_json.generate_body(ids, body)
         self._sending_generation("/generate")
-        out = await self._json("POST", "/generate", body,
+        out = await self._json("POST", "/generate", payload,
                                timeout=timeout if timeout is not None else self.generate_timeout, retry=False)
         if not isinstance(out, dict):
             raise EngineError("/generate", 200, f"expected one JSON object, got {type(out).__name__}", url=self.url)
