@@ -208,8 +208,7 @@ class RouteSession:
         self._closed = False
         self._stop_event = anyio.Event()  #: set by `stop()` (the Ray pool forwards stops on it)
         self._waits: set[anyio.CancelScope] = set()  #: gate/slot waits a stop must end
-        self._idle = anyio.Event()
-        self._idle.set()
+        self._idle: anyio.Event | None = None  #: made by `wait_idle` (rarely needed), not per request
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str) -> None:
@@ -226,6 +225,10 @@ class RouteSession:
 
     async def wait_idle(self) -> None:
         """Return once no request of this session is in flight."""
+        if self.in_flight_rid is None:
+            return
+        if self._idle is None:
+            self._idle = anyio.Event()
         await self._idle.wait()
 
     def close(self) -> None:
@@ -289,14 +292,15 @@ class RouteSession:
             if self.stopped:
                 return None
             self.in_flight_rid = rid
-            self._idle = anyio.Event()
             self.rids.append(rid)
             router.stats.requests += 1
             try:
                 return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
             finally:
                 self.in_flight_rid = None
-                self._idle.set()
+                if self._idle is not None:
+                    self._idle.set()
+                    self._idle = None
                 self.events.append(TimelineEvent("generate", t1, clock()))
         finally:
             if slot is not None:
