@@ -152,6 +152,34 @@ async def test_stop_releases_a_request_held_at_the_gate() -> None:
     assert out.aborted and a.generates == []
 
 
+async def test_stop_releases_a_request_waiting_for_a_server_slot() -> None:
+    a = FakeEngine("http://a", token_delay=0.05)
+    router = Router(Lifecycle([a]), per_server_limit=1)
+    busy, waiting = router.session("busy"), router.session("waiting")
+    box = {}
+
+    async def call() -> None:
+        box["out"] = await waiting([1, 2], P)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy, [1, 2], SamplingParams(max_new_tokens=20))
+            await anyio.sleep(0.05)
+            tg.start_soon(call)
+            await anyio.sleep(0.05)
+            assert "out" not in box and waiting._waits  # held by the full slot
+            waiting.stop("test")
+            while "out" not in box:
+                await anyio.sleep(0.001)
+            assert busy.in_flight_rid is not None and not waiting._waits  # released before the busy turn ended
+            assert a.generates and all(rid.startswith("busy-") for rid, _ in a.generates)
+    out = box["out"]
+    assert out.aborted and out.output_ids == [] and "not dispatched" in out.finish_reason["message"]
+    assert router._slot("http://a").value == 1  # the cancelled wait took no slot
+    out = await router.session("next")([3], P)  # and the slot still serves
+    assert not out.aborted and out.output_ids
+
+
 async def test_unreachable_then_healthy_server_is_kept() -> None:
     a, b = FakeEngine("http://a"), FakeEngine("http://b")
     lc = Lifecycle([a, b])

@@ -108,7 +108,11 @@ class SamplingParams:
         return out
 
     def replace(self, **changes: Any) -> "SamplingParams":
-        new = dataclasses.replace(self, **changes)
+        if "seed" in changes or not all(k == "extra" or k in _field_names(type(self)) for k in changes):
+            new = dataclasses.replace(self, **changes)  # the init-only alias, or a name dataclasses refuses
+        else:  # what dataclasses.replace does (__post_init__ has nothing to do without `seed`), per turn cheaper
+            new = object.__new__(type(self))
+            new.__dict__.update(self.__dict__, **changes)
         if "stop_token_ids" not in changes and new.stop_token_ids is not None:
             new.stop_token_ids = list(new.stop_token_ids)
         if "extra" not in changes:

@@ -29,8 +29,8 @@ spans, on the session (the scheduler copies them into the trajectory's timeline)
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
@@ -248,7 +248,7 @@ class RouteSession:
             if self.stopped:
                 return self._not_dispatched()
             url = self.current_server()
-            rid = f"{self.key}-{uuid.uuid4().hex[:12]}"
+            rid = f"{self.key}-{os.urandom(6).hex()}"  # 48 random bits, as uuid4().hex[:12] had
             router._outstanding[url] = router._outstanding.get(url, 0) + 1
             try:
                 out = await self._dispatch(url, rid, input_ids, sampling_params)
