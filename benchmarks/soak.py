@@ -10,8 +10,8 @@ the runtime reaches the first through a loopback TCP proxy. Faults, drawn from o
   agent loop, a prompt longer than the context;
 - network (per step): the proxy delays every chunk (a slow network) or resets connections;
 - servers (per step, `--server-faults`): the second server killed and restarted (on its port, after
-  the step), or paused (SIGSTOP) for a few seconds, mid-step; each step records which servers the
-  router has taken out.
+  the step), or paused (SIGSTOP) for a few seconds, mid-step; each step records how many servers are
+  in rotation when it ends.
 
 Reported: faults injected by kind; per step the samples launched and how each is accounted for
 (completed, truncated, aborted, failed with a reason, carried over to the next step) and how many are
@@ -394,8 +394,8 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                         "launched": launched, "accounted": accounted, "lost": lost, "error": error,
                         "failed_reasons": dict(Counter((t.error or "")[:80] for t in trajs if t.status == "failed")),
                         "tool_errors": int(sum(t.metrics.get("tool_errors", 0) for t in trajs)),
-                        # Servers the router has taken out (url -> why) as the step ends.
-                        "servers_out": dict(getattr(getattr(rt.router, "stats", None), "removed", {}) or {}),
+                        # Servers in rotation as the step ends (a killed one is taken out, a restarted one re-admitted).
+                        "servers_in_rotation": len(rt.lifecycle.urls),
                         "resources": resources(t0),
                     })
                     print(f"step {step}/{args.steps}: {launched} launched, {dict(accounted)}, lost {lost}, "
@@ -426,6 +426,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[1].plot(t, [r["fds"] for r in res], label="open fds")
     axes[1].plot(t, [r["threads"] for r in res], label="threads")
     axes[1].plot(t, [r["abandoned_tool_calls"] for r in res], label="abandoned tool calls (thread alive)")
+    axes[1].step([s["resources"]["t"] for s in report["per_step"]], [s["servers_in_rotation"] for s in report["per_step"]],
+                 where="post", label="servers in rotation (step end)")
     axes[1].legend(loc="upper left", fontsize=8)
     axes[2].plot(t, [r["tasks"] for r in res], label="live asyncio tasks")
     axes[2].legend(loc="upper left", fontsize=8)
