@@ -94,9 +94,10 @@ class EngineConfig(_Strict):
     )
     restore_on_stop: bool = Field(
         True,
-        description="When the runtime stops, leave servers attached by URL in the memory state they were found in (a "
-        "server found awake is woken again with the weights of its model path, under the weight version it had). "
-        "False: leave them asleep (memory released), e.g. for a trainer that keeps the GPU afterwards.",
+        description="When the runtime stops, leave servers attached by URL as they were before any runtime touched them: "
+        "awake (woken again with the weights of their model path, under the weight version they had), or asleep if a "
+        "runtime had parked them. False: park them (leave them asleep, memory released, marked as asleep on purpose), "
+        "e.g. for a trainer that keeps the GPU afterwards; the next runtime leaves them parked too.",
     )
     keepalive_timeout: float = Field(
         2.0, gt=0,

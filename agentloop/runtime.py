@@ -195,9 +195,9 @@ class Runtime:
             except Exception as e:  # the engines must still be stopped
                 log.error("closing the agent loops failed: %s", e)
         lc = self.lifecycle
-        if lc is not None and self.attached and self.config.engine.restore_on_stop:
+        if lc is not None and self.attached:
             try:
-                await lc.restore()
+                await (lc.restore() if self.config.engine.restore_on_stop else lc.park())
             except Exception as e:  # say it, and stop anyway: the servers' marks say what state they are in
                 log.error("could not leave the engine servers as they were found: %s", e)
         for c in self.clients:

@@ -530,8 +530,14 @@ async def test_attach_reads_the_state_the_last_lifecycle_recorded_in_the_server(
     assert lc2.state is EngineState.SLEEPING
     await lc2.sleep()
     await two_lifecycle_steps(lc2, eng)
-    await lc2.restore()  # found asleep: stays asleep
-    assert eng.released == {"weights", "kv_cache", "cuda_graph"} and eng.crashed is None
+    await lc2.park()  # left asleep on purpose
+    assert MemoryMark.decode(eng.weight_version).parked
+    lc2b = Lifecycle([eng])
+    await lc2b.attach()
+    await two_lifecycle_steps(lc2b, eng)
+    await lc2b.restore()  # found parked: stays parked
+    assert eng.released == {"weights", "kv_cache", "cuda_graph"} and MemoryMark.decode(eng.weight_version).parked
+    assert eng.crashed is None
     lc3 = Lifecycle([eng], attach_state="asleep")  # told the state: believed
     await lc3.attach()
     await two_lifecycle_steps(lc3, eng)
@@ -590,5 +596,6 @@ async def test_a_lifecycle_killed_at_any_call_leaves_a_server_the_next_one_recov
         await nxt.attach()
     await nxt.sleep()
     await two_lifecycle_steps(nxt, eng)
-    await nxt.restore()
+    await nxt.restore()  # whatever the dead run left, the server ends awake, as before any run
     assert eng.crashed is None and eng.generates_while_invalid == 0
+    assert not eng.released and eng.weights_valid and eng.weight_version == "default"

@@ -45,10 +45,12 @@ allocation that is not active") and on a resume of resident memory (KeyError in 
    server is refused with a message that says what to do: restart it, or set `engine.attach_state`.
 3. `engine.attach_state` (`awake` | `asleep`) overrides the probe at attach, for servers that cannot
    hold a mark (no `/update_weight_version`) or whose mark is ambiguous.
-4. `restore()` (called by `Runtime.stop` for servers it attached to by URL) puts every server it
-   found awake back to awake: weights resumed and reloaded from its model path under the weight
-   version it reported at attach, KV cache resumed, plain version — so a server is left as it was
-   found, and other clients (a `/health` monitor, the next run) never meet released memory.
+4. `restore()` (called by `Runtime.stop` for servers it attached to by URL) leaves every server as
+   it was before any runtime touched it: awake (weights resumed and reloaded from its model path
+   under the weight version it reported at attach, KV cache resumed, plain version), so other clients
+   (a `/health` monitor, the next run) never meet released memory — unless a runtime had parked it
+   (`park()`, `engine.restore_on_stop: false`: asleep on purpose), which stays parked. A server found
+   asleep or half-awake without that is the leftover of a runtime that died, and is woken.
 So any number of runtimes in sequence can attach to one server, and a runtime SIGKILLed at any stage
 leaves a mark from which the next run either recovers (every stage boundary) or refuses with the
 exact remedy (killed during the one memory call in flight).
@@ -365,7 +367,7 @@ class Lifecycle:
             released = set(mark.released)
         s.released = released
         if initial or s.found is None:
-            s.found = MemoryMark(mark.version, frozenset(released))
+            s.found = MemoryMark(mark.version, frozenset(released), parked=mark.parked)
         log.info("engine server %s attached: %s", s.url,
                  f"released {sorted(released)}" if released else "awake (nothing released)")
 
@@ -514,12 +516,23 @@ class Lifecycle:
             with anyio.fail_after(self.stage_timeout):
                 await self._sleep_stage(stage)(s)
 
-    async def restore(self) -> None:
-        """Put every server in rotation that `attach()` found awake back to awake (see the module
-        docstring): resume its weights, reload them from its model path under the version it had,
-        resume the rest. Called when a runtime that attached to running servers stops."""
+    async def park(self) -> None:
+        """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`)."""
         async with self._transition_lock:
-            todo = [s for s in self._in_rotation() if s.found is not None and not s.found.released and s.released]
+            await self._park(self._in_rotation())
+
+    async def _park(self, servers: Sequence[_Server]) -> None:
+        if self._state is EngineState.SLEEPING:
+            for s in servers:
+                await self._mark(s, parked=True)
+
+    async def restore(self) -> None:
+        """Leave every server in rotation as it was found (see the module docstring): a parked one
+        parked; any other awake (resume its weights, reload them from its model path under the version
+        it had, resume the rest). Called when a runtime that attached to running servers stops."""
+        async with self._transition_lock:
+            await self._park([s for s in self._in_rotation() if s.found is not None and s.found.parked])
+            todo = [s for s in self._in_rotation() if s.found is not None and not s.found.parked and s.released]
             if not todo or self._state is EngineState.AWAKE:
                 return
             if self._state is not EngineState.SLEEPING:
@@ -598,12 +611,12 @@ class Lifecycle:
             s.released.difference_update(tags)
         await self._mark(s)
 
-    async def _mark(self, s: _Server, *, pending: str | None = None) -> None:
+    async def _mark(self, s: _Server, *, pending: str | None = None, parked: bool = False) -> None:
         """Record `s`'s memory state in its weight version (see `MemoryMark`), if it changed."""
         if not s.marks:
             return
         version = self.weight_version or (s.found.version if s.found is not None else "default")
-        text = MemoryMark(version, frozenset(s.released), pending).encode()
+        text = MemoryMark(version, frozenset(s.released), pending, parked).encode()
         if text == s.mark:
             return
         update = getattr(s.client, "update_weight_version", None)

@@ -103,6 +103,8 @@ class MemoryMark:
     writes this mark with `/update_weight_version` (and passes it as the `weight_version` of weight
     loads), and a later runtime reads it back from `/model_info`. `pending` names a call that was
     sent but not (yet) answered ("release:weights,kv_cache"): a runtime killed during it leaves it.
+    `parked`: a runtime left the server asleep on purpose when it stopped (`engine.restore_on_stop:
+    false`); without it, a server found asleep was left so by a runtime that did not get to stop.
     A plain version (no mark) means nothing is released: a fresh server, or one woken completely.
     The mark lives in the server process, so a restarted server never carries a stale one.
     """
@@ -110,12 +112,13 @@ class MemoryMark:
     version: str
     released: frozenset[str] = frozenset()
     pending: str | None = None
+    parked: bool = False
 
     def encode(self) -> str:
         if not self.released and self.pending is None:
             return self.version
         text = f"{self.version}{MARK_SEPARATOR}released={','.join(sorted(self.released))}"
-        return text + (f";pending={self.pending}" if self.pending else "")
+        return text + (f";pending={self.pending}" if self.pending else "") + (";parked=1" if self.parked else "")
 
     @classmethod
     def decode(cls, weight_version: str) -> "MemoryMark":
@@ -124,4 +127,4 @@ class MemoryMark:
             return cls(version)
         fields = dict(part.partition("=")[::2] for part in rest.split(";") if part)
         released = frozenset(t for t in fields.get("released", "").split(",") if t)
-        return cls(version, released, fields.get("pending") or None)
+        return cls(version, released, fields.get("pending") or None, fields.get("parked") == "1")
