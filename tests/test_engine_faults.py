@@ -120,10 +120,11 @@ KILLER = textwrap.dedent("""
         async def call(*a, **kw):
             global count
             count += 1
-            if count == nth and when == "before":
+            mine = count  # calls run concurrently (generates): this call's own number
+            if mine == nth and when == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             out = await inner(*a, **kw)
-            if count == nth and when == "after":
+            if mine == nth and when == "after":
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
 
