@@ -244,8 +244,9 @@ async def test_killed_then_restarted_between_steps_is_taken_out_then_readmitted(
         assert servers_of(res2) == {a.url} and "liveness probe" in res2.metrics["servers_removed"][b.url]
         assert list(res2.metrics["servers_out_of_rotation"]) == [b.url]
         await rt.step(samples(8, "b2"))  # still dead: still out, and said once, not per step or request
-        lines = [r for r in caplog.records if r.levelno >= logging.INFO and b.url in r.getMessage()]
-        assert len(lines) == 1 and "out of rotation" in lines[0].getMessage(), [r.getMessage() for r in lines]
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and b.url in r.getMessage()]
+        # the lifecycle's "out of rotation" and the client's "unreachable": each once, whatever the requests
+        assert len([m for m in lines if "out of rotation" in m]) == 1 and len(lines) <= 2, lines
         restarted = LocalEngineProcess(model_dir, port=b.port)
         procs.append(restarted)
         await restarted.start()  # fresh: awake with its base weights
