@@ -321,17 +321,14 @@ async def test_a_trajectory_with_a_3000_deep_call_gets_a_clear_error_turn_and_go
 async def test_an_abandoned_endless_sync_stream_stops_producing() -> None:
     """A plain generator cannot be cancelled inside its thread: the closed sink stops it at its next
     piece, so an endless stream does not burn a CPU (and the GIL) for ever after its timeout."""
-    from agentloop.tools.call_thread import abandoned_calls
-
     endless = CountingStream("z" * 1000)
     res = await ToolRegistry([endless]).execute_calls([_call()], context=_ctx(), timeout=0.3, max_parallel=1)
     assert res[0].error_kind == "timeout" and "its output so far" in res[0].content
+    # The sink was closed when the call was abandoned, so the generator stopped at its next piece
+    # (within the cancel grace that execute_calls waited): nothing more is produced afterwards.
     seen = endless.produced
-    with anyio.fail_after(10):
-        while abandoned_calls():
-            await anyio.sleep(0.05)
-    await anyio.sleep(0.2)
-    assert endless.produced <= seen + 1  # stopped at the piece after the timeout
+    await anyio.sleep(0.3)
+    assert endless.produced <= seen + 1  # (one piece in flight if a loaded machine outlasted the grace)
 
 
 async def test_runtime_refuses_a_bad_tools_file_before_starting_an_engine(tmp_path: Path) -> None:
