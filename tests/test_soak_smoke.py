@@ -28,6 +28,6 @@ def test_soak_smoke_injects_faults_and_loses_nothing(tmp_path: Path) -> None:
     assert r["lost"] == 0
     launched = r["samples_launched"]
     assert launched > 0 and sum(r["accounted"].values()) == launched
-    for step in r["per_step"]:
-        assert step["error"] is None and step["tool_errors"] > 0
+    assert all(step["error"] is None for step in r["per_step"])
+    assert sum(step["tool_errors"] for step in r["per_step"]) > 0  # the hostile calls were answered as tool errors
     assert r["resources"] and all(k in r["resources"][0] for k in ("rss_mb", "fds", "tasks", "threads"))
