@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import anyio
 
 from .config import EngineConfig, RuntimeConfig
-from .engine.base import EngineClient
+from .engine.base import EngineClient, EngineError
 from .runtime_types import AgentloopError
 
 log = logging.getLogger(__name__)
@@ -85,15 +85,26 @@ async def launch_sglang(ecfg: EngineConfig, processes: list[Any]) -> list[str]:
 
 
 async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Sequence[EngineClient]) -> Any:
-    """The tokenizer from `engine.tokenizer`, else `model_path`, else the first server's `model_info()`."""
+    """The tokenizer from `engine.tokenizer`, else `model_path`, else the first server that answers
+    `model_info()` (a dead one among several is the lifecycle's to take out, not a reason to stop here)."""
     path = ecfg.tokenizer or model_path
     if path is None:
-        info = await clients[0].model_info()
-        path = info.get("tokenizer_path") or info.get("model_path")
-        if not path or not Path(path).exists():
-            raise AgentloopError(
-                f"no tokenizer: the server at {clients[0].url} reports tokenizer_path={path!r}, which is not a "
-                "local folder; set engine.tokenizer")
+        errors = []
+        for client in clients:
+            try:
+                with anyio.fail_after(ecfg.liveness_timeout):
+                    info = await client.model_info()
+            except (EngineError, TimeoutError, OSError) as e:
+                errors.append(f"{client.url}: {e}")
+                continue
+            path = info.get("tokenizer_path") or info.get("model_path")
+            if not path or not Path(path).exists():
+                raise AgentloopError(
+                    f"no tokenizer: the server at {client.url} reports tokenizer_path={path!r}, which is not a "
+                    "local folder; set engine.tokenizer")
+            break
+        else:
+            raise AgentloopError("no tokenizer: no engine server answers /model_info (" + "; ".join(errors) + ")")
     def load() -> Any:
         # Imported here, off the event loop: importing transformers takes seconds, and the loop must
         # keep serving the progress display and signals meanwhile.

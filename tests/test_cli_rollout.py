@@ -222,8 +222,6 @@ def test_ctrl_c_stops_cleanly(tmp_path: Path, two_engines: list[str]) -> None:
     assert _health(url) == 200  # in-flight requests aborted, then the engine was left awake, as found
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 / engine faults: one dead URL of two still aborts the run at start "
-                   "(the lifecycle's failover at start has not landed); remove this mark when it does")
 def test_one_dead_url_of_two_fails_over_to_the_live_server(tmp_path: Path, two_engines: list[str]) -> None:
     """The advertised failover holds from the start: with one server unreachable the run goes on with
     the other, says which one it left out, and writes every trajectory (from the live server)."""
@@ -234,5 +232,6 @@ def test_one_dead_url_of_two_fails_over_to_the_live_server(tmp_path: Path, two_e
     assert res.returncode == 0, res.stderr
     assert dead in res.stderr and "Traceback" not in res.stderr
     rows = check_outputs(out, steps=2)
-    assert len(rows) == 2 * 2 * 2 and all(r["status"] == "completed" for r in rows)
+    # finished, none failed (the random model runs out of its 48 tokens: truncated is a finish too)
+    assert len(rows) == 2 * 2 * 2 and all(r["status"] in ("completed", "truncated") for r in rows)
     assert {url for r in rows for url in r["extra"].get("servers", [])} == {live}
