@@ -26,6 +26,7 @@ the two-server one concurrent), ~6 min in all; the dry run takes ~3 min on 2 CPU
 
 On the GPU host, from the repo root (sglang installed, e.g. `source tools/gpu/install_on_device.sh`):
     PYTHONPATH=. python3 tools/gpu_engine_faults.py benchmarks/results/gpu_engine_faults
+    PYTHONPATH=. python3 tools/gpu_engine_faults.py OUT --stages two_servers_one_killed   # stage 3 alone
 """
 
 from __future__ import annotations
@@ -289,16 +290,21 @@ async def main(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu_faults_"))
     model = tiny_tool_model()
     server = Server(model, args.dry_run, args.mem_fraction)
+    stages = set(args.stages.split(","))
     try:
-        t0 = time.monotonic()
-        url = await server.start(args.start_timeout)
-        res.stage("server", url=url, start_seconds=round(time.monotonic() - t0, 1), gpu_used_gib=gpu_used_gib())
-        await consecutive_runs(res, url, work, args.runs)
-        await sigkill_mid_step(res, url, work)
-        res.check("first_server_never_crashed", server.alive())
-        res.stage("server", log_tail=server.log_tail())
-        await server.stop()
-        await two_servers_one_killed(res, model, args, work)
+        if stages & {"consecutive_runs", "sigkill_mid_step"}:
+            t0 = time.monotonic()
+            url = await server.start(args.start_timeout)
+            res.stage("server", url=url, start_seconds=round(time.monotonic() - t0, 1), gpu_used_gib=gpu_used_gib())
+            if "consecutive_runs" in stages:
+                await consecutive_runs(res, url, work, args.runs)
+            if "sigkill_mid_step" in stages:
+                await sigkill_mid_step(res, url, work)
+            res.check("first_server_never_crashed", server.alive())
+            res.stage("server", log_tail=server.log_tail())
+            await server.stop()
+        if "two_servers_one_killed" in stages:
+            await two_servers_one_killed(res, model, args, work)
     except Exception:
         res.stage("error", traceback=traceback.format_exc())
         res.check("no_error", False)
@@ -319,6 +325,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="consecutive rollout runs against one server")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each SGLang server")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to come up")
+    p.add_argument("--stages", default="consecutive_runs,sigkill_mid_step,two_servers_one_killed",
+                   help="comma-separated stages to run (e.g. two_servers_one_killed alone, to fit a time limit)")
     return p.parse_args(argv)
 
 
