@@ -149,6 +149,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         out["engine"] = engine.description
         cfg = runtime_config(engine, argparse.Namespace(gen_max=args.gen_tokens, turns=args.turns),
                              concurrency=args.trajectories, per_server_concurrency=args.concurrency)
+        cfg["agent"]["max_context_tokens"] += args.prompt_tokens  # long prompts must not hit the context budget
         weights = versioned_weights(engine)
 
         async with Runtime(cfg) as rt:
