@@ -266,7 +266,10 @@ async def test_reads_restricted_to_scratch_and_python_library():
     for code in ["open('/etc/passwd').read()", f"open('/proc/{os.getpid()}/environ').read()", "import os; os.listdir('/')",
                  f"open({__file__!r}).read()"]:
         out = await run(t, code)
-        assert "sandbox:" in out and "refused" in out, out
+        # a checkout under /tmp sits below the sandbox's own /tmp: the hook lets the path through and
+        # the fresh tmpfs has no such file (the kernel layer holds either way)
+        hidden = __file__ in code and __file__.startswith("/tmp/") and "FileNotFoundError" in out
+        assert ("sandbox:" in out and "refused" in out) or hidden, out
     assert await run(t, "import json, decimal, zoneinfo; print(json.dumps({'a': 1}))") == '{"a": 1}'
     assert await run(t, "import zoneinfo; print(zoneinfo.ZoneInfo('Europe/Paris').utcoffset(__import__('datetime').datetime(2024, 1, 1)))") == "1:00:00"
     assert await run(t, "import os; open(os.devnull, 'w').write('x'); print('ok')") == "ok"

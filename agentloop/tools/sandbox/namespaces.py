@@ -144,9 +144,15 @@ def sandbox_command(
     hidden = [] if site_packages else [
         str(p) for d in interp.stdlib for p in [Path(d, "site-packages")] if p.is_dir()
     ]
+    # Host paths under SCRATCH (a venv or checkout in /tmp) are bound after the scratch tmpfs is mounted,
+    # else that tmpfs would hide them (site-packages of a venv in /tmp vanished in a CI clone under /tmp).
+    in_scratch = {d: src for d, src in binds.items() if _inside(d, [SCRATCH]) and d != SCRATCH}
+    binds = {d: src for d, src in binds.items() if d not in in_scratch}
     dests = [*binds, *DEVICES, SCRATCH, *hidden]
     parents = sorted({str(p) for d in dests for p in Path(d).parents if str(p) != "/"} - set(binds),
                      key=lambda p: (p.count("/"), p))
+    scratch_parents = sorted({str(p) for d in in_scratch for p in Path(d).parents if _inside(str(p), [SCRATCH])}
+                             - {SCRATCH} - set(in_scratch), key=lambda p: (p.count("/"), p))
 
     cmd = [tools.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if not root:
@@ -163,11 +169,14 @@ def sandbox_command(
     for dev in DEVICES:
         cmd += ["--dev-bind", dev, dev]
     cmd += ["--proc", "/proc",
-            "--perms", "0777" if root else "0700", "--size", str(scratch_bytes), "--tmpfs", SCRATCH,
-            # the root tmpfs and the directories made in it belong to the sandbox's uid when the worker
-            # is not root: read-only, so /tmp (a mount of its own) is the only place to write
-            "--remount-ro", "/",
-            "--chdir", SCRATCH, "--"]
+            "--perms", "0777" if root else "0700", "--size", str(scratch_bytes), "--tmpfs", SCRATCH]
+    for d in scratch_parents:
+        cmd += ["--dir", d]
+    for dest, src in in_scratch.items():
+        cmd += ["--ro-bind", src, dest]
+    # the root tmpfs and the directories made in it belong to the sandbox's uid when the worker
+    # is not root: read-only, so /tmp (a mount of its own) is the only place to write
+    cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--"]
     if root:
         cmd += [tools.setpriv, f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}", "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
