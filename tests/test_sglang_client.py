@@ -155,6 +155,24 @@ async def test_generate_parses_recorded_response_and_sends_recorded_shape(replay
     assert body["sampling_params"]["temperature"] == 0.0
 
 
+async def test_generate_sends_ids_of_any_int_sequence_as_plain_ints(replay, client) -> None:
+    import numpy as np
+
+    resp = untrimmed_generate(recorded("generate single, logprobs")["response"])
+    replay.on("POST", "/generate", lambda _b: web.json_response(resp))
+    sp = SamplingParams(max_new_tokens=4)
+    for ids in ([5, 6, 7], (5, 6, 7), np.array([5, 6, 7]), [np.int64(5), 6, True], [5.0, 6, 7]):
+        await client.generate(ids, sp)
+    sent = [b["input_ids"] for b in replay.bodies("/generate")]
+    assert sent == [[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 1], [5, 6, 7]]  # int() of each, as ever
+    assert all(type(t) is int for ids in sent for t in ids)  # 5.0 == 5: the type says it was sent as an int
+    async with SGLangClient(replay.url, vocab_size=320) as c:
+        with pytest.raises(EngineError, match=r"input_ids\[1\]=320"):
+            await c.generate(np.array([1, 320]), sp)
+        with pytest.raises(EngineError, match=r"input_ids\[0\]=-2"):
+            await c.generate([-2, 1], sp)
+
+
 async def test_generate_without_rid_sends_a_fresh_one(replay, client) -> None:
     resp = untrimmed_generate(recorded("generate single, logprobs")["response"])
     replay.on("POST", "/generate", lambda _b: web.json_response(resp))

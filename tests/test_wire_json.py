@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentloop.engine.wire_json import generate_body, loads
+from agentloop.engine.wire_json import generate_body, int_list, loads
 
 
 @given(st.lists(st.integers(0, 2**31 - 1), max_size=300),
@@ -45,3 +45,15 @@ def test_loads_accepts_what_the_stdlib_accepts_and_refuses_the_rest() -> None:
     assert loads(b'[' + str(2**70).encode() + b']') == [2**70]
     with pytest.raises(ValueError):
         loads(b'{"a": ')
+
+
+def test_int_list_only_for_a_flat_list_of_plain_ints() -> None:
+    import numpy as np
+
+    ids = [0, 5, 151_000, -3, 2**63 - 1]
+    assert int_list(ids) is not None and json.loads(int_list(ids)) == ids
+    assert int_list([]) == b"[]"
+    # Everything else goes through int() as before: the caller converts when this says None.
+    for other in ([1, 2.0], [1, True], [1, None], [1, "2"], [[1, 2]], [1, 2**64], [np.int64(3)], (1, 2), np.arange(3)):
+        assert int_list(other) is None, other
+    assert json.loads(generate_body(int_list(ids), {"rid": "r"})) == {"input_ids": ids, "rid": "r"}

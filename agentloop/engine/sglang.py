@@ -340,9 +340,11 @@ class SGLangClient(ServedModelChecks):
             sampling_params = SamplingParams.from_mapping(sampling_params)
         # A rid is always sent so every request can be aborted by id.
         rid = rid or uuid.uuid4().hex
-        # Both run over the whole context on every turn: map/min/max keep them in C.
-        ids = list(map(int, input_ids))
         vocab = await self.resolve_vocab_size()
+        # The ids are the whole context, on every turn: encoded, converted and checked in C. No await
+        # from here to the send, so what is checked is what is sent.
+        ids_json = wire_json.int_list(input_ids)
+        ids = input_ids if ids_json is not None else list(map(int, input_ids))
         if vocab is not None and ids and (min(ids) < 0 or max(ids) >= vocab):
             i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise EngineError("/generate", None, f"refused before sending: input_ids[{i}]={t} is out of "
@@ -356,7 +358,7 @@ class SGLangClient(ServedModelChecks):
             body["logprob_start_len"] = int(logprob_start_len)
         if top_logprobs_num is not None:
             body["top_logprobs_num"] = int(top_logprobs_num)
-        payload = wire_json.generate_body(ids, body)
+        payload = wire_json.generate_body(ids_json if ids_json is not None else ids, body)
         self._sending_generation("/generate")
         out = await self._json("POST", "/generate", payload,
                                timeout=timeout if timeout is not None else self.generate_timeout, retry=False)
