@@ -43,13 +43,17 @@ ENGINE=sglang
 WORK=${GRPO_WORK:-/tmp/agentloop_grpo}
 rm -rf "$WORK"; mkdir -p "$WORK"
 
-leftovers() {  # GPU processes still alive after a run (its SGLang server should be stopped): ours, kill them
+leftovers() {  # GPU processes still alive (WHEN: after a run, or before the first): this session's, kill them
   command -v nvidia-smi >/dev/null || return 0
-  local pids; pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  local pids; pids=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | tr -d ' ')
   [ -z "$pids" ] && return 0
-  say "GPU processes left after the run: $pids (killing them)"
-  for p in $pids; do kill -KILL "$p" 2>/dev/null; done; sleep 3
+  say "GPU processes left ${1:-after the run}: $(echo $pids) (killing them)"
+  for p in $pids; do kill -KILL "${p%%,*}" 2>/dev/null; done; sleep 3
 }
+# A server a cut-short earlier call left behind (SGLang runs in its own session, so a killed command does
+# not take it along) would hold GPU memory through every figure of this run (seen on the H200: ~45 GiB).
+# The lent machine runs one call at a time, so whatever is on the GPU now is such a leftover.
+[ "${GRPO_KEEP_GPU_PROCS:-0}" = 1 ] || leftovers "from an earlier call, before the first run"
 
 run_mode() {  # MODE LIMIT EXTRA_ARGS
   local mode=$1 limit=$2 extra=$3

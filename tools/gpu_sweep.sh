@@ -77,6 +77,17 @@ else
   SIZE_WU="--repeats 3 --bucket-mb 256 1024"
 fi
 
+# A server a cut-short earlier call left behind (SGLang runs in its own session, so a killed command does not
+# take it along) would hold GPU memory and compute through every figure here (seen on the H200: ~45 GiB). The
+# lent machine runs one call at a time, so whatever is on the GPU now is such a leftover (SWEEP_KEEP_GPU_PROCS=1: keep).
+if [ "${SWEEP_KEEP_GPU_PROCS:-0}" != 1 ] && command -v nvidia-smi >/dev/null; then
+  LEFT=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | tr -d ' ')
+  if [ -n "$LEFT" ]; then
+    say "GPU processes from an earlier call: $(echo $LEFT) (killing them)"
+    for p in $LEFT; do kill -KILL "${p%%,*}" 2>/dev/null; done; sleep 3
+  fi
+fi
+
 SERVER=; SERVER_LOG=
 start_server() {  # NAME CONFIG_PY MEM_FRACTION CUDA_GRAPH
   local name=$1 cfg=$2 mem=$3 cg=$4
