@@ -83,6 +83,10 @@ $R "$D"/xgrammar-0.2.1-*.whl 'xgrammar/lib/*' 'xgrammar/include/*'
 $R "$D"/torch_memory_saver-0.0.10-*.whl 'torch_memory_saver_hook_mode_*_cu12.abi3.so' \
    'torch_memory_saver_hook_mode_preload.abi3.so' 'torch_memory_saver_hook_mode_torch.abi3.so'
 
+for w in "$D"/*.whl; do  # the rest: recompressed only (LZMA), to fit repo + wheels + JIT cache in 64 MiB
+  case "$(basename "$w")" in sglang-0.5.17-*|sglang_kernel-*|flashinfer_python-*|xgrammar-*|torch_memory_saver-*) ;; *) $R "$w" > /dev/null ;; esac
+done
+
 echo "--- wheels in $D"
 ls -l "$D" | awk 'NR>1{printf "%8.2f MB  %s\n", $5/1e6, $9}'
 du -cb "$D"/*.whl | tail -1 | awk '{printf "TOTAL %.2f MB (%.2f MiB; keep repo + wheels under 64 MiB)\n", $1/1e6, $1/1048576}'
