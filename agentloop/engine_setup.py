@@ -95,7 +95,9 @@ async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Se
                 with anyio.fail_after(ecfg.liveness_timeout):
                     info = await client.model_info()
             except (EngineError, TimeoutError, OSError) as e:
-                errors.append(f"{client.url}: {e}")
+                why = (f"no answer to /model_info within {ecfg.liveness_timeout:g}s" if isinstance(e, TimeoutError)
+                       else getattr(e, "message", None) or str(e) or type(e).__name__)
+                errors.append(f"cannot reach the engine server at {client.url}: {why}")
                 continue
             path = info.get("tokenizer_path") or info.get("model_path")
             if not path or not Path(path).exists():
@@ -104,7 +106,7 @@ async def load_tokenizer(ecfg: EngineConfig, model_path: str | None, clients: Se
                     "local folder; set engine.tokenizer")
             break
         else:
-            raise AgentloopError("no tokenizer: no engine server answers /model_info (" + "; ".join(errors) + ")")
+            raise AgentloopError("no tokenizer (no engine server answers /model_info): " + "; ".join(errors))
     def load() -> Any:
         # Imported here, off the event loop: importing transformers takes seconds, and the loop must
         # keep serving the progress display and signals meanwhile.

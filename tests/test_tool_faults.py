@@ -136,8 +136,10 @@ async def test_a_hostile_tool_never_stalls_or_ends_the_step(case: str, tiny_engi
         "agent": {"temperature": 0.0, "tool_timeout": 1.0, "max_assistant_turns": 2, "max_new_tokens_per_turn": 48,
                   "max_response_tokens": 512, "max_tool_response_tokens": 96},
     }
-    rss0 = _rss_mb()
     async with Runtime(cfg, clients=[SGLangClient(url)], tools=ToolRegistry([make()])) as rt:
+        # measured once the runtime is up: its start loads transformers and the tokenizer (hundreds of MB
+        # on whichever case runs first in a worker), which is not what the tool's output costs
+        rss0 = _rss_mb()
         for _ in range(2):
             with anyio.fail_after(BLOCK_S / 2):  # hang guard: the tool holds its thread for BLOCK_S
                 res = await rt.step(rows)

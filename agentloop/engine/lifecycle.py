@@ -187,6 +187,16 @@ class Lifecycle:
         return self._state
 
     @property
+    def on_generate(self) -> Callable[[str, EngineState], None] | None:
+        """The local gate's dispatch hook (`on_generate(url, state)`), settable here as before the
+        gate/lifecycle split so instrumentation written against the lifecycle keeps recording."""
+        return self.gate.on_generate
+
+    @on_generate.setter
+    def on_generate(self, hook: Callable[[str, EngineState], None] | None) -> None:
+        self.gate.on_generate = hook
+
+    @property
     def urls(self) -> list[str]:
         """Servers in rotation."""
         return [u for u, s in self._servers.items() if s.out is None]
