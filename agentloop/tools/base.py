@@ -35,6 +35,18 @@ class ToolError(Exception):
         self.kind: ErrorKind = kind
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none), for one-line reports."""
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def describe(e: BaseException) -> str:
+    """`Type: first line of the message` (just `Type` when there is no message)."""
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg.splitlines()[0]}" if msg else type(e).__name__
+
+
 @dataclass
 class ToolContext:
     """What a tool may know about the trajectory calling it.

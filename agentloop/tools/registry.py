@@ -1,26 +1,22 @@
-"""The per-worker tool registry: builds tools once (from objects — anything shaped like `ToolLike` — or a
-verl-like YAML config), opens/closes their per-trajectory state, hands their
-schemas to chat templates, and executes one turn's calls with timeouts, bounded parallelism and
-argument validation, always returning one `ToolResult` per call in call order.
+"""The per-worker tool registry: registers tools once (objects — anything shaped like `ToolLike` — or
+the entries of a verl-like YAML config, built by `tool_config`), opens/closes their per-trajectory
+state, hands their schemas to chat templates, and executes one turn's calls with timeouts, bounded
+parallelism and argument validation, always returning one `ToolResult` per call in call order.
 
 Nothing a model writes, and nothing a tool does, can make `execute_calls` raise or overstay: parse
 errors, unknown tools, arguments that do not match the tool's JSON schema, timeouts, any exception a
 tool raises (`SystemExit`, `KeyboardInterrupt` and `CancelledError` included) and results that cannot
 be made text all become results with `ok=False` and an error message written for the model. Each call
 runs where the step can abandon it (`call_thread`), and its output is bounded in bytes while it is
-produced (`truncate.BoundedText`), then in tokens.
+produced, then in tokens (`tool_output`).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
-import re
-import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,56 +24,21 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import anyio
 import jsonschema
-import yaml
 
 from .base import (
-    ErrorKind, StateHook, Tool, ToolContext, ToolError, ToolLike, ToolResult, function_of, state_hooks, tool_problems,
+    ErrorKind, StateHook, ToolContext, ToolError, ToolLike, ToolResult, describe, first_line, function_of, state_hooks,
+    tool_problems,
 )
 from .call_thread import run_in_thread, run_on_loop
 from .parsers import ToolCall
-from ..yaml_strict import mark_where
-from ..yaml_strict import safe_load as strict_yaml_load
-from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, BoundedText, Side, check_marker, truncate_by_tokens
+from .tool_config import ToolConfigError, build_entry, config_entries, entry_line, load_tool_class, read_yaml
+from .tool_output import OutputBound, collect, truncate_tokens_locked
+from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, Side, check_marker
 
+# Re-exported: `agentloop.tools.registry.ToolConfigError` / `load_tool_class` are public names.
 __all__ = ["ToolRegistry", "ToolConfigError", "load_tool_class"]
 
 logger = logging.getLogger(__name__)
-
-
-class ToolConfigError(ValueError):
-    """A tool config entry is wrong; the message names the entry (`tools[i]`) and the field."""
-
-
-def load_tool_class(path: str) -> type[ToolLike]:
-    """Import `package.module.ClassName` and check it is a tool class: a `Tool` subclass, or any class
-    with an `execute` method (its instances are checked against `ToolLike` when registered)."""
-    module_name, _, cls_name = path.rpartition(".")
-    if not module_name:
-        raise ImportError(f"{path!r} is not a dotted path 'package.module.ClassName'")
-    module = importlib.import_module(module_name)
-    try:
-        cls = getattr(module, cls_name)
-    except AttributeError:
-        raise ImportError(f"module {module_name!r} has no attribute {cls_name!r}") from None
-    if not isinstance(cls, type):
-        raise TypeError(f"{path} is a {type(cls).__name__}, not a class")
-    if not (issubclass(cls, Tool) or callable(getattr(cls, "execute", None))):
-        raise TypeError(
-            f"{path} is not a tool class: no `execute` method "
-            "(subclass agentloop.tools.Tool, or give it name, schema and async execute(arguments, context))"
-        )
-    return cls
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
-
-
-def _describe(e: BaseException) -> str:
-    """`Type: first line of the message` (just `Type` when there is no message)."""
-    msg = str(e).strip()
-    return f"{type(e).__name__}: {msg.splitlines()[0]}" if msg else type(e).__name__
 
 
 @dataclass
@@ -146,20 +107,11 @@ class ToolRegistry:
         """Build from a YAML tool config (see `from_config`). Errors are `ToolConfigError`s naming the
         file and the line: of the YAML problem (a duplicated key included), or of the entry at fault."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ToolConfigError(f"cannot read tool config {path}: {e}") from None
-        try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
-            data = strict_yaml_load(text)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e)
-            raise ToolConfigError(f"{mark_where(path, e)}: not valid YAML: {problem}") from None
+        data, root = read_yaml(path)
         try:
             return cls.from_config(data)
         except ToolConfigError as e:
-            raise ToolConfigError(f"{path}{_entry_line(root, str(e))}: {e}") from None
+            raise ToolConfigError(f"{path}{entry_line(root, str(e))}: {e}") from None
 
     @classmethod
     def from_config(cls, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> "ToolRegistry":
@@ -167,22 +119,10 @@ class ToolRegistry:
         bare list. `tool_schema` (optional) overrides name/description/parameters of the built tool.
         verl's `config.type` is understood: `native` is accepted (and not passed to the constructor),
         other kinds (e.g. `mcp`) are refused with a ToolConfigError."""
-        if data is None:
-            return cls([])
-        if isinstance(data, Mapping):
-            if "tools" not in data:
-                raise ToolConfigError(f"tool config needs a top-level 'tools' list; got keys {sorted(data)}")
-            entries = data["tools"]
-        else:
-            entries = data
-        if entries is None:
-            entries = []
-        if not isinstance(entries, list):
-            raise ToolConfigError(f"'tools' must be a list, got {type(entries).__name__}")
         reg = cls([])
-        for i, entry in enumerate(entries):
+        for i, entry in enumerate(config_entries(data)):
             where = f"tools[{i}]"
-            tool, function = _build_entry(entry, where)
+            tool, function = build_entry(entry, where)
             reg.add(tool, where=where, function=function)
         return reg
 
@@ -225,7 +165,7 @@ class ToolRegistry:
                     await self._release(opened, context)
                     if isinstance(e, anyio.get_cancelled_exc_class()):
                         raise
-                    raise RuntimeError(f"tool {name!r}: create_state failed for trajectory {context.trajectory_id}: {_first_line(e)}") from e
+                    raise RuntimeError(f"tool {name!r}: create_state failed for trajectory {context.trajectory_id}: {first_line(e)}") from e
             opened.append(name)
 
     async def close_trajectory(self, context: ToolContext) -> None:
@@ -244,7 +184,7 @@ class ToolRegistry:
                 try:
                     await release(context)
                 except BaseException as e:  # noqa: BLE001 - shielded: no cancellation of ours reaches here
-                    errors.append(f"tool {name!r}: release_state failed: {_first_line(e)}")
+                    errors.append(f"tool {name!r}: release_state failed: {first_line(e)}")
         if errors:
             raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
 
@@ -303,7 +243,7 @@ class ToolRegistry:
         check_marker(truncation_marker)
         results: list[ToolResult | None] = [None] * len(calls)
         limiter = anyio.CapacityLimiter(max_parallel)
-        bound = _OutputBound(max_result_bytes, truncate_side, truncation_marker)
+        bound = OutputBound(max_result_bytes, truncate_side, truncation_marker)
 
         async def run_one(i: int, call: ToolCall) -> None:
             async with limiter:
@@ -312,7 +252,7 @@ class ToolRegistry:
                 # Off the event loop (tokenizing is CPU work), one at a time (tokenizers are not
                 # guaranteed thread-safe); the text is already bounded in bytes.
                 text, cut = await anyio.to_thread.run_sync(
-                    _truncate_locked, res.content, tokenizer, max_result_tokens, truncate_side, truncation_marker)
+                    truncate_tokens_locked, res.content, tokenizer, max_result_tokens, truncate_side, truncation_marker)
                 res.content, res.truncated = text, res.truncated or cut
             results[i] = res
 
@@ -322,7 +262,7 @@ class ToolRegistry:
         return [r for r in results if r is not None]
 
     async def _execute_one(self, index: int, call: ToolCall, context: ToolContext, timeout: float,
-                           bound: "_OutputBound") -> ToolResult:
+                           bound: OutputBound) -> ToolResult:
         problem = self.check_call(call)
         if problem is not None:
             kind, msg = problem
@@ -336,7 +276,7 @@ class ToolRegistry:
             out = tool.execute(arguments, context)
             if inspect.isawaitable(out):
                 out = await out
-            await _collect(out, sink, name)  # type: ignore[arg-type]
+            await collect(out, sink, name)  # type: ignore[arg-type]
 
         t0 = time.monotonic()
         try:
@@ -362,162 +302,10 @@ class ToolRegistry:
         if e is not None:
             # Not a ToolError, so possibly a bug in the tool: keep the traceback for whoever runs the worker.
             logger.warning("tool %r raised in trajectory %s", name, context.trajectory_id, exc_info=e)
-            return error(f"Error: {_describe(e)}", "exception")
+            return error(f"Error: {describe(e)}", "exception")
         return ToolResult(index, name, sink.text(), seconds=seconds, call_id=call.id, truncated=sink.truncated)
-
-
-_tokenizer_lock = threading.Lock()
-
-
-def _truncate_locked(text: str, tokenizer: Any, max_tokens: int, side: Side, marker: str) -> tuple[str, bool]:
-    with _tokenizer_lock:
-        return truncate_by_tokens(text, tokenizer, max_tokens, side, marker)
-
-
-@dataclass(frozen=True)
-class _OutputBound:
-    """How much of a call's output is kept while it is produced, and how a cut is marked."""
-
-    max_bytes: int | None
-    side: Side
-    marker: str
-
-    def sink(self) -> BoundedText:
-        return BoundedText(sys.maxsize if self.max_bytes is None else self.max_bytes, self.side, self.marker)
-
-
-class _ResultTextError(Exception):
-    """A tool's result cannot be turned into text (its `__str__` raised, a piece is not text)."""
-
-
-def _as_text(value: Any, name: str | None) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    try:
-        text = str(value)
-    except Exception as e:  # a result object with a broken __str__: say so, not a bare traceback
-        raise _ResultTextError(f"tool {name!r} returned a {type(value).__name__} whose str() raised {_describe(e)}") from e
-    if not isinstance(text, str):
-        raise _ResultTextError(f"tool {name!r} returned a {type(value).__name__} whose str() is not a string")
-    return text
-
-
-def _take(sink: BoundedText, piece: Any, name: str | None) -> bool:
-    """Feed one streamed piece; True when the sink wants no more (a head-only sink is full)."""
-    sink.feed(_as_text(piece, name))
-    sink.stopped_early = sink.full
-    return sink.full
-
-
-async def _collect(out: Any, sink: BoundedText, name: str | None) -> None:
-    """Feed a tool's result into `sink`: a text (or anything `str()` turns into one), or a stream of
-    pieces (a sync or async iterator), read only until the sink is full (head-only) or it ends, and
-    closed either way."""
-    if isinstance(out, AsyncIterator):
-        try:
-            async for piece in out:
-                if _take(sink, piece, name):
-                    break
-        finally:
-            if hasattr(out, "aclose"):
-                await out.aclose()
-    elif isinstance(out, Iterator) and not isinstance(out, (str, bytes)):
-        try:
-            for piece in out:
-                if _take(sink, piece, name):
-                    break
-        finally:
-            if hasattr(out, "close"):
-                out.close()
-    else:
-        sink.feed(_as_text(out, name))
-
-
-def _entry_line(root: yaml.Node | None, message: str) -> str:
-    """`:line` of the `tools[i]` entry a message starts with (of the file's top node otherwise), or ""."""
-    m = re.match(r"tools\[(\d+)\]", message)
-    node = root
-    if isinstance(root, yaml.MappingNode):
-        node = next((v for k, v in root.value if getattr(k, "value", None) == "tools"), root)
-    if m is not None and isinstance(node, yaml.SequenceNode) and int(m.group(1)) < len(node.value):
-        node = node.value[int(m.group(1))]
-    return f":{node.start_mark.line + 1}" if node is not None else ""
 
 
 def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy callers may edit without changing the registry (the parameters schema is shared, read-only)."""
     return {**schema, "function": dict(schema["function"])}
-
-
-def _build_entry(entry: Any, where: str) -> tuple[ToolLike, dict[str, Any] | None]:
-    """The tool an entry builds and its `tool_schema` override's function part (None without one)."""
-    if not isinstance(entry, Mapping):
-        raise ToolConfigError(f"{where}: must be a mapping with 'class_name', got {type(entry).__name__}")
-    config = entry.get("config") or {}
-    if not isinstance(config, Mapping):
-        raise ToolConfigError(f"{where}.config: must be a mapping, got {type(config).__name__}")
-    config = _without_verl_type(config, where)  # before the field check: an mcp entry's 'mcp' key gets this error
-    unknown = set(entry) - {"class_name", "config", "tool_schema"}
-    if unknown:
-        raise ToolConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected class_name, config, tool_schema")
-    class_name = entry.get("class_name")
-    if not isinstance(class_name, str) or not class_name:
-        raise ToolConfigError(f"{where}.class_name: required, a dotted path like agentloop.tools.builtin.calculator.CalculatorTool")
-    try:
-        tool_cls = load_tool_class(class_name)
-    except (ImportError, TypeError) as e:
-        raise ToolConfigError(f"{where}.class_name: cannot load {class_name!r}: {_first_line(e)}") from None
-    try:
-        inspect.signature(tool_cls).bind(**config)
-    except TypeError as e:
-        raise ToolConfigError(f"{where}.config: {tool_cls.__name__} does not accept it: {e}") from None
-    try:
-        tool = tool_cls(**config)
-    except Exception as e:
-        raise ToolConfigError(f"{where}.config: {tool_cls.__name__}(...) failed: {type(e).__name__}: {_first_line(e)}") from e
-    schema = entry.get("tool_schema")
-    return tool, (_apply_schema(tool, schema, where) if schema is not None else None)
-
-
-def _without_verl_type(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The constructor's keyword arguments: `config` less verl's `type` key (verl's tool registry reads
-    `config.type` to pick native, MCP or other tool kinds). Only native tools exist here, so `native`
-    is dropped and any other kind is refused with a message saying so."""
-    config = dict(config)
-    if "type" not in config:
-        return config
-    kind = config.pop("type")
-    if kind != "native":
-        raise ToolConfigError(
-            f"{where}.config.type: {kind!r} tools are not supported; agentloop runs native tools only "
-            "(verl's `type: native`, a Tool subclass built from class_name and config)"
-        )
-    return config
-
-
-def _apply_schema(tool: ToolLike, schema: Any, where: str) -> dict[str, Any]:
-    """The tool's function schema with the entry's `tool_schema` fields (name, description, parameters)
-    put over it. A `Tool` subclass instance also gets them as attributes, so its own `schema` agrees."""
-    field = f"{where}.tool_schema"
-    if not isinstance(schema, Mapping):
-        raise ToolConfigError(f"{field}: must be a mapping, got {type(schema).__name__}")
-    fn = function_of(schema)
-    if fn is None:
-        raise ToolConfigError(f"{field}: expected an OpenAI function schema {{type: function, function: {{name, description, parameters}}}}")
-    if "name" in fn and (not isinstance(fn["name"], str) or not fn["name"]):
-        raise ToolConfigError(f"{field}.function.name: must be a non-empty string")
-    if "description" in fn and not isinstance(fn["description"], str):
-        raise ToolConfigError(f"{field}.function.description: must be a string")
-    if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
-        raise ToolConfigError(f"{field}.function.parameters: must be a JSON schema object")
-    given = {k: (dict(fn[k]) if k == "parameters" else fn[k]) for k in ("name", "description", "parameters") if k in fn}
-    if isinstance(tool, Tool):
-        for k, v in given.items():
-            setattr(tool, k, v)
-    try:
-        own = dict(function_of(tool.schema) or {})
-    except Exception:  # a broken schema property: `add` reports it
-        own = {}
-    return {**own, **given}
