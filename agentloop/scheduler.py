@@ -214,6 +214,7 @@ class _ScheduleRun:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", self.cfg.target_groups, len(self.groups))
         self.t0 = t0 = self.clock()
         self.limit = anyio.Semaphore(self.cfg.concurrency)
+        self.s.router.slot_order = self.cfg.slot_order  # one step at a time (the runtime's step lock)
         async with anyio.create_task_group() as outer:
             if self.cfg.trajectory_timeout is not None:
                 outer.start_soon(self._watch_deadlines)

@@ -13,7 +13,19 @@ ways against the same engine, in one process, for each (tool-latency mean, concu
   token buffers): every trajectory starts, the router holds at most c requests in flight on the
   server (`per_server_concurrency`), so a trajectory's tool wait overlaps others' generation;
 - **turn-synchronous**: turn t of every trajectory as one batch (at most c requests in flight), then
-  every tool call, then turn t+1 — the naive multi-turn design.
+  every tool call, then turn t+1 — the naive multi-turn design;
+- **multiturn_raw**: the smallest correct multi-turn client — one task per trajectory, turn, tool
+  sleep, next turn, at most c requests in flight (FIFO) — with none of agentloop's machinery: what
+  agentloop's own overhead is measured against;
+- **agentloop_fifo** (only with `--modes`): agentloop with `scheduler.slot_order: fifo` instead of the
+  default `depth_first`, to show what the slot order buys.
+
+The ceiling ignores that turn t+1 of a trajectory can only start after turn t and its tool: no
+multi-turn client can reach it when one trajectory's chain is longer than the whole batch takes. Each
+point therefore also reports `critical_path_s` — the longest trajectory's chain of its turns'
+on-server seconds (as measured in the ceiling run, same load) plus its tool latencies — and
+`dependency_ceiling_tokens_per_s` = tokens / max(ceiling wall, critical path): the best any client
+that respects turn order could do at that per-request speed (`agentloop_over_dependency_ceiling`).
 
 Ceiling and baseline send their requests through the same `Lifecycle.generate` and `SGLangClient` as
 agentloop (the engine is woken before and put to sleep after, as a step does), so the comparison is
@@ -67,7 +79,8 @@ from agentloop.engine.lifecycle import Weights  # noqa: E402
 from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
-MODES = ("ceiling", "agentloop", "turn_sync")
+MODES = ("ceiling", "agentloop", "turn_sync", "multiturn_raw")
+ALL_MODES = MODES + ("agentloop_fifo",)
 
 
 def _params(n: int) -> SamplingParams:
@@ -92,21 +105,24 @@ async def run_ceiling(rt: Runtime, engine: Engine, work: list[list[dict[str, Any
     reqs = []
     for i, turns in enumerate(work):
         ctx = prompt
-        for t in turns:
-            reqs.append((i, ctx, t["gen_tokens"]))
+        for k, t in enumerate(turns):
+            reqs.append((i, k, ctx, t["gen_tokens"]))
             ctx += t["gen_tokens"] + t["tool_result_tokens"]
-    reqs.sort(key=lambda r: -r[2])  # longest first: the best makespan a dependency-free batch can have
+    reqs.sort(key=lambda r: -r[3])  # longest first: the best makespan a dependency-free batch can have
     await lc.wake_up(weights)
     intervals: list[tuple[float, float]] = []
+    on_server: dict[tuple[int, int], float] = {}
     tokens = 0
     limit = anyio.Semaphore(conc)
 
-    async def one(i: int, ctx: int, gen: int) -> None:
+    async def one(i: int, k: int, ctx: int, gen: int) -> None:
         nonlocal tokens
         async with limit:
             a = time.perf_counter()
             out = await lc.generate(engine.url, filler_ids(ctx, salt=i), _params(gen), timeout=600)
-            intervals.append((a, time.perf_counter()))
+            b = time.perf_counter()
+            intervals.append((a, b))
+            on_server[(i, k)] = b - a
         if len(out.output_ids) != gen:
             raise RuntimeError(f"ceiling: asked {gen} tokens, got {len(out.output_ids)} ({out.finish_reason})")
         tokens += gen
@@ -120,7 +136,10 @@ async def run_ceiling(rt: Runtime, engine: Engine, work: list[list[dict[str, Any
             wall = time.perf_counter() - t0
     finally:
         await lc.sleep()
-    return _summary("ceiling", wall, tokens, len(work), len(reqs), intervals, t0, bs.result())
+    chains = [sum(on_server[(i, k)] for k in range(len(turns))) + sum(t["tool_latency_s"] for t in turns[:-1])
+              for i, turns in enumerate(work)]
+    return _summary("ceiling", wall, tokens, len(work), len(reqs), intervals, t0, bs.result(),
+                    critical_path_s=r4(max(chains)))
 
 
 async def run_turn_sync(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
@@ -167,13 +186,52 @@ async def run_turn_sync(rt: Runtime, engine: Engine, work: list[list[dict[str, A
     return _summary("turn_sync", wall, tokens, len(work), requests, intervals, t0, bs.result())
 
 
+async def run_multiturn_raw(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
+                            weights: Weights) -> dict[str, Any]:
+    lc = rt.lifecycle
+    assert lc is not None
+    intervals: list[tuple[float, float]] = []
+    tokens = requests = 0
+    limit = anyio.Semaphore(conc)
+    await lc.wake_up(weights)
+
+    async def trajectory(i: int, turns: list[dict[str, Any]]) -> None:
+        nonlocal tokens, requests
+        ctx = filler_ids(prompt, salt=i)
+        for k, t in enumerate(turns):
+            async with limit:
+                a = time.perf_counter()
+                out = await lc.generate(engine.url, ctx, _params(t["gen_tokens"]), timeout=600)
+                intervals.append((a, time.perf_counter()))
+            if len(out.output_ids) != t["gen_tokens"]:
+                raise RuntimeError(f"multiturn_raw: asked {t['gen_tokens']} tokens, got {len(out.output_ids)}")
+            tokens += len(out.output_ids)
+            requests += 1
+            ctx = ctx + out.output_ids
+            if k < len(turns) - 1:
+                await anyio.sleep(t["tool_latency_s"])
+                ctx = ctx + filler_ids(t["tool_result_tokens"], salt=i + 7)
+
+    try:
+        with BusySampler(engine) as bs:
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i, turns in enumerate(work):
+                    tg.start_soon(trajectory, i, turns)
+            wall = time.perf_counter() - t0
+    finally:
+        await lc.sleep()
+    return _summary("multiturn_raw", wall, tokens, len(work), requests, intervals, t0, bs.result())
+
+
 async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, Any]]], prompt: int, conc: int,
-                        weights: Weights, tag: str) -> dict[str, Any]:
+                        weights: Weights, tag: str, *, mode: str = "agentloop") -> dict[str, Any]:
     samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
                       extra={"replay": {"prompt_tokens": prompt, "turns": turns}})
                for i, turns in enumerate(work)]
+    order = "fifo" if mode == "agentloop_fifo" else "depth_first"
     with BusySampler(engine) as bs:
-        res = await rt.step(samples, weights, concurrency=conc)
+        res = await rt.step(samples, weights, concurrency=conc, slot_order=order)
     bad = [t for t in res.trajectories if t.status != "completed"]
     if bad:
         raise RuntimeError(f"agentloop: {len(bad)} trajectories not completed, e.g. {bad[0].uid}: {bad[0].status} {bad[0].error}")
@@ -184,7 +242,7 @@ async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, A
     wall = float(res.metrics["rollout_seconds"])
     gens = [iv for t in res.trajectories for iv in dispatch_intervals(t)]
     t0 = min(e.start for t in res.trajectories for e in t.timeline if e.kind == "queue")
-    return _summary("agentloop", wall, tokens, len(work), len(gens), gens, t0, bs.result(),
+    return _summary(mode, wall, tokens, len(work), len(gens), gens, t0, bs.result(),
                     step_s=r4(res.metrics["step_seconds"]), wake_up_s=r4(res.metrics["wake_up_seconds"]),
                     sleep_s=r4(res.metrics["sleep_seconds"]),
                     tool_seconds_mean=r4(res.metrics["tool_seconds"] / max(1, res.metrics["tool_calls"])))
@@ -222,27 +280,30 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                 await run_agentloop(rt, engine, warm, 8, 4, weights(), f"warm{conc}")
                 await run_ceiling(rt, engine, warm, 8, 4, weights())
                 for lat, spec, work in zip(args.tool_latency_means, specs, works):
-                    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+                    modes = args.modes
+                    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
                     for rep in range(args.repeats):
-                        order = MODES[rep % 3:] + MODES[:rep % 3]  # rotate: no mode always goes first
-                        for mode in order:
+                        r0 = rep % len(modes)
+                        for mode in modes[r0:] + modes[:r0]:  # rotate: no mode always goes first
                             if mode == "ceiling":
                                 r = await run_ceiling(rt, engine, work, args.prompt_tokens, conc, weights())
                             elif mode == "turn_sync":
                                 r = await run_turn_sync(rt, engine, work, args.prompt_tokens, conc, weights())
+                            elif mode == "multiturn_raw":
+                                r = await run_multiturn_raw(rt, engine, work, args.prompt_tokens, conc, weights())
                             else:
                                 r = await run_agentloop(rt, engine, work, args.prompt_tokens, args.trajectories,
-                                                        weights(), f"l{lat}c{conc}r{rep}")
+                                                        weights(), f"{mode}l{lat}c{conc}r{rep}", mode=mode)
                             r.update(tool_latency_mean_s=lat, concurrency=conc, repeat=rep)
                             runs[mode].append(r)
                             out["runs"].append(r)
                     point = summarize_point(lat, conc, spec, work, runs)
                     out["points"].append(point)
                     save(out)
-                    print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s ceiling {point['ceiling']['tokens_per_s']:9.1f}  "
-                          f"agentloop {point['agentloop']['tokens_per_s']:9.1f}  turn-sync {point['turn_sync']['tokens_per_s']:9.1f}  "
-                          f"agentloop/ceiling {point['agentloop_over_ceiling']:.3f}  "
-                          f"agentloop/baseline (turn-sync) {point['agentloop_over_baseline']:.3f}", flush=True)
+                    print(f"tool latency {lat:6.3f}s  c={conc:4d}: tok/s "
+                          + "  ".join(f"{m} {point[m]['tokens_per_s']:9.1f}" for m in modes) + "  "
+                          + "  ".join(f"{k} {v:.3f}" for k, v in point.items() if k.startswith("agentloop_over_")
+                                      and isinstance(v, float) and not k.endswith("_of_medians")), flush=True)
     return out
 
 
@@ -254,16 +315,23 @@ def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[d
              if isinstance(rs[0][k], (int, float)) and k not in ("repeat", "concurrency", "tool_latency_mean_s")}
         m["tokens_per_s_all"] = [r["tokens_per_s"] for r in rs]
         point[mode] = m
-    # Paired: each repeat runs the three back to back, so a ratio within a repeat sees one background load;
+    # Paired: each repeat runs the modes back to back, so a ratio within a repeat sees one background load;
     # the median of those is the headline (robust to load drifting between repeats on a shared machine).
-    for other in ("ceiling", "turn_sync"):
+    for other in (m for m in ("ceiling", "turn_sync", "multiturn_raw", "agentloop_fifo") if m in runs):
         paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["agentloop"], runs[other])]
         point[f"agentloop_over_{other}"] = r4(median(paired))
         point[f"agentloop_over_{other}_per_repeat"] = [r4(x) for x in paired]
         point[f"agentloop_over_{other}_of_medians"] = r4(point["agentloop"]["tokens_per_s"] / point[other]["tokens_per_s"])
     # The issue names the two headline ratios agentloop/ceiling and agentloop/baseline; the turn-synchronous
     # design is that baseline. Same value under the issue's name; the old key stays for existing readers.
-    point["agentloop_over_baseline"] = point["agentloop_over_turn_sync"]
+    if "turn_sync" in runs:
+        point["agentloop_over_baseline"] = point["agentloop_over_turn_sync"]
+    if "ceiling" in runs:  # what a client bound by turn order could reach (see the module docstring)
+        c = point["ceiling"]
+        bound_wall = max(c["wall_s"], c["critical_path_s"])
+        point["dependency_ceiling_tokens_per_s"] = r4(c["generated_tokens"] / bound_wall)
+        point["critical_path_s"] = c["critical_path_s"]
+        point["agentloop_over_dependency_ceiling"] = r4(point["agentloop"]["tokens_per_s"] / point["dependency_ceiling_tokens_per_s"])
     # The target's condition: is the mean tool latency below the mean time of a model turn?
     point["mean_turn_generate_s"] = point["agentloop"]["request_seconds_mean"]
     point["tool_latency_below_turn_time"] = bool(point["workload"]["tool_latency_mean_s"] < point["mean_turn_generate_s"])
@@ -275,14 +343,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
     lats = sorted({p["tool_latency_mean_s"] for p in report["points"]})
     fig, axes = plt.subplots(1, len(lats), figsize=(5.2 * len(lats), 4.2), squeeze=False)
     styles = {"ceiling": ("k--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
-              "turn_sync": ("s-", "turn-synchronous")}
+              "turn_sync": ("s-", "turn-synchronous"), "multiturn_raw": ("^:", "bare multi-turn client"),
+              "agentloop_fifo": ("x-.", "agentloop, FIFO slots")}
     for ax, lat in zip(axes[0], lats):
         pts = sorted((p for p in report["points"] if p["tool_latency_mean_s"] == lat), key=lambda p: p["concurrency"])
         xs = [p["concurrency"] for p in pts]
         for mode, (style, label) in styles.items():
-            ax.plot(xs, [p[mode]["tokens_per_s"] for p in pts], style, label=label)
+            if all(mode in p for p in pts):
+                ax.plot(xs, [p[mode]["tokens_per_s"] for p in pts], style, label=label)
         for p in pts:
-            ax.annotate(f"{p['agentloop_over_ceiling']:.2f}x ceil\n{p['agentloop_over_turn_sync']:.2f}x sync",
+            ax.annotate("\n".join(f"{p[k]:.2f}x {name}" for k, name in (
+                ("agentloop_over_ceiling", "ceil"), ("agentloop_over_dependency_ceiling", "dep. ceil"),
+                ("agentloop_over_turn_sync", "sync"), ("agentloop_over_multiturn_raw", "bare")) if k in p),
                         (p["concurrency"], p["agentloop"]["tokens_per_s"]), textcoords="offset points", xytext=(4, -22),
                         fontsize=7)
         ax.set_xscale("log", base=2)
@@ -312,8 +384,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--tool-result-median", type=float, default=16.0, help="median tokens of a tool result")
     w.add_argument("--concurrency", type=int, nargs="+", default=[4, 12, 48])
     w.add_argument("--repeats", type=int, default=5)
+    w.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
+                   help="what to run at each point (agentloop is always run: the ratios are agentloop's)")
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.modes = ["agentloop"] + [m for m in dict.fromkeys(args.modes) if m != "agentloop"]
     if args.smoke:
         args.trajectories, args.turns, args.prompt_tokens, args.gen_median, args.gen_max = 6, 2, 8, 3, 8
         args.tool_latency_means, args.concurrency, args.repeats, args.tool_result_median = [0.005], [3], 1, 3
@@ -329,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds (wake-up and sleep reported apart)",
         "turn_sync": "turn t of all trajectories as one batch (at most `concurrency` requests in flight), then all "
                      "tools, then turn t+1",
+        "multiturn_raw": "one task per trajectory (turn, tool sleep, next turn), at most `concurrency` requests in "
+                         "flight (FIFO), through the same Lifecycle.generate: a bare correct multi-turn client",
+        "agentloop_fifo": "agentloop with scheduler.slot_order=fifo (default depth_first)",
+        "critical_path_s": "the longest trajectory's chain: its turns' on-server seconds in the ceiling run plus its "
+                           "tool latencies; no client respecting turn order finishes sooner at that per-request speed",
+        "dependency_ceiling_tokens_per_s": "generated tokens / max(ceiling wall, critical_path_s)",
         "engine_has_work_fraction": "fraction of wall time with >= 1 generate request in flight (client side)",
         "engine_cpu_busy_fraction": "CPU engine process CPU seconds per wall second (its model runs on --engine-threads)",
         "gpu_utilization_mean": "nvidia-smi utilization.gpu, mean of 100 ms samples",

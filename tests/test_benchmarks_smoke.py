@@ -56,7 +56,10 @@ def test_rollout_throughput_smoke(tmp_path: Path) -> None:
     assert p["agentloop_over_baseline"] == p["agentloop_over_turn_sync"]
     assert "engine_cpu_busy_fraction" in p["agentloop"]  # the CPU engine we started is sampled
     assert {"tool_latency_below_turn_time", "mean_turn_generate_s"} <= set(p)
-    assert len(r["runs"]) == 3
+    assert len(r["runs"]) == 4
+    # the ceiling ignores turn order; the bound a turn-ordered client has is reported beside it
+    assert p["critical_path_s"] > 0 and p["dependency_ceiling_tokens_per_s"] <= p["ceiling"]["tokens_per_s"]
+    assert p["agentloop_over_dependency_ceiling"] >= p["agentloop_over_ceiling"]
 
 
 @pytest.mark.slow

@@ -175,7 +175,7 @@ async def test_stop_releases_a_request_waiting_for_a_server_slot() -> None:
             assert a.generates and all(rid.startswith("busy-") for rid, _ in a.generates)
     out = box["out"]
     assert out.aborted and out.output_ids == [] and "not dispatched" in out.finish_reason["message"]
-    assert router._slot("http://a").value == 1  # the cancelled wait took no slot
+    assert router._slot("http://a").free == 1  # the cancelled wait took no slot
     out = await router.session("next")([3], P)  # and the slot still serves
     assert not out.aborted and out.output_ids
 
@@ -188,3 +188,59 @@ async def test_unreachable_then_healthy_server_is_kept() -> None:
     a.error_next = EngineUnavailable("/generate", None, "timed out after 1s", url="http://a")
     out = await s([1], P)  # the probe says a is alive: it stays, the turn is retried
     assert out.server_url == "http://a" and lc.urls == ["http://a", "http://b"] and router.stats.retries == 1
+
+
+async def test_priority_slots_admit_lowest_key_then_arrival_and_survive_cancellation() -> None:
+    from agentloop.engine.router import PrioritySlots
+
+    slots = PrioritySlots(1)
+    await slots.acquire((0,))
+    order: list[str] = []
+
+    async def waiter(name: str, key: tuple) -> None:
+        await slots.acquire(key)
+        order.append(name)
+        slots.release()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for name, key in [("late-b", (0, 2)), ("deep", (-2, 5)), ("late-a", (0, 1)), ("late-a2", (0, 1))]:
+                tg.start_soon(waiter, name, key)
+                await anyio.sleep(0.01)
+            with anyio.CancelScope() as gone:  # a waiter cancelled before its turn takes no slot
+                gone.cancel()
+                await slots.acquire((-9,))
+            assert slots.free == 0
+            slots.release()
+    assert order == ["deep", "late-a", "late-a2", "late-b"]
+    assert slots.free == 1
+
+
+@pytest.mark.parametrize("order", ["depth_first", "fifo"])
+async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str) -> None:
+    a = FakeEngine("http://a", token_delay=0.02)
+    router = Router(Lifecycle([a]), per_server_limit=1, slot_order=order)
+    deep, fresh, busy = router.session("deep"), router.session("fresh"), router.session("busy")
+    await deep([1], P)
+    await deep([1, 2, 3], P)  # two model turns behind it
+    slot = router._slot("http://a")
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy, [1], SamplingParams(max_new_tokens=10))
+            while slot.free:
+                await anyio.sleep(0.001)
+            tg.start_soon(fresh, [7], P)  # arrives first ...
+            while len(slot._heap) < 1:
+                await anyio.sleep(0.001)
+            tg.start_soon(deep, [1, 2, 3, 4], P)  # ... the deeper trajectory second
+            while len(slot._heap) < 2:
+                await anyio.sleep(0.001)
+    after_busy = [rid.split("-")[0] for rid, _ in a.generates][3:]
+    assert after_busy == (["deep", "fresh"] if order == "depth_first" else ["fresh", "deep"])
+
+
+def test_slot_order_is_validated() -> None:
+    with pytest.raises(ValueError, match="slot_order"):
+        Router(Lifecycle([FakeEngine("http://a")]), slot_order="lifo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        SchedulerConfig(slot_order="random")

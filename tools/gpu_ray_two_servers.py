@@ -2,6 +2,11 @@
 
     python tools/gpu_ray_two_servers.py OUT_DIR [--steps 3] [--mem-fraction 0.3] [--model DIR]
     python tools/gpu_ray_two_servers.py OUT_DIR --dry-run     # the same on CPU engines, to debug the script
+    python tools/gpu_ray_two_servers.py OUT_DIR --num-servers 1 --mem-fraction 0.6   # the one-server baseline
+
+Two servers vs one at the same total memory: run it twice with the same workload, `--num-servers 2
+--mem-fraction 0.3` and `--num-servers 1 --mem-fraction 0.6` (OUT_DIR/gpu_ray_<n>_servers.json each), and
+compare `sampled_tokens_per_second` per step.
 
 What it does: starts a local Ray cluster with the GPU, launches two SGLang server actors with
 `num_gpus=0.5` each on one placement group (so both land on the same GPU; `--mem-fraction-static`
@@ -72,7 +77,9 @@ def step_weights(args: argparse.Namespace, step: int, model_dir: Path) -> Any:
     import torch
     from safetensors.torch import load_file
 
-    from tests.gpu.gpu_helpers import hf_param_shapes, make_weights
+    # By path, not as `tests.gpu`: some installed packages ship a top-level `tests` package that shadows ours.
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from gpu_helpers import hf_param_shapes, make_weights
 
     if args.model or args.dry_run:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -94,7 +101,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
     work = Path(tempfile.mkdtemp(prefix="gpu_ray_"))
     if args.dry_run:
         model_dir = make_random_model(work / "model", seed=0)
-        engine: dict[str, Any] = {"model": str(model_dir), "num_local_servers": 2,
+        engine: dict[str, Any] = {"model": str(model_dir), "num_local_servers": args.num_servers,
                                   "local_args": ["--num-threads", "1", "--log-level", "warning"]}
     else:
         if args.model:
@@ -105,11 +112,11 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
             model_dir = write_dummy_model(work / "qwen2_05b_dummy")
             flags = ["--load-format", "dummy"]
             tokenizer = str(make_random_model(work / "tok", seed=0))
-        engine = {"launch": {"model_path": str(model_dir), "num_servers": 2, "mem_fraction_static": args.mem_fraction,
+        engine = {"launch": {"model_path": str(model_dir), "num_servers": args.num_servers, "mem_fraction_static": args.mem_fraction,
                              "flags": flags}, "tokenizer": tokenizer, "start_timeout": args.start_timeout}
     config = {"engine": engine, "scheduler": {"n": args.n, "concurrency": args.prompts * args.n},
               "agent": {"temperature": 1.0, "seed": 0, "max_response_tokens": 4096}}
-    ray_config = {"num_workers": args.workers, "engine_num_gpus": 0.0 if args.dry_run else 0.5, "engine_num_cpus": 1}
+    ray_config = {"num_workers": args.workers, "engine_num_gpus": 0.0 if args.dry_run else 1.0 / args.num_servers, "engine_num_cpus": 1}
     ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False)
     out["config"] = {"runtime": config, "ray": ray_config, "cluster_resources": ray.cluster_resources()}
     checks: dict[str, bool] = {}
@@ -123,23 +130,23 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
         out["gpu_used_gib_after_start_sleeping"] = gpu_used_gib()
         if not args.dry_run:
             devices = {e["cuda_visible_devices"] for e in engines}
-            checks["both_servers_on_one_gpu"] = len(engines) == 2 and len(devices) == 1 and None not in devices
+            checks["all_servers_on_one_gpu"] = len(engines) == args.num_servers and len(devices) == 1 and None not in devices
         steps = []
         for step in range(args.steps):
             weights = step_weights(args, step, model_dir)
             first = len(rt.lifecycle.records)
             mem: dict[str, Any] = {}
-            orig_open = rt.pool.open_gates
+            orig_open = rt.pool.open
 
             async def open_and_measure(version: Any) -> None:
                 mem["after_wake_up"] = gpu_used_gib()  # all stages done on both servers, before any rollout
                 await orig_open(version)
 
-            rt.pool.open_gates = open_and_measure  # type: ignore[method-assign]
+            rt.pool.open = open_and_measure  # type: ignore[method-assign]
             try:
                 res = await rt.step(replay_samples(step, args.prompts, args.turns, args.gen_tokens), weights)
             finally:
-                rt.pool.open_gates = orig_open  # type: ignore[method-assign]
+                rt.pool.open = orig_open  # type: ignore[method-assign]
             del weights
             _free_cuda_cache()  # this driver's copy of the weights must not count as the servers' memory
             mem["after_sleep"] = gpu_used_gib()
@@ -169,8 +176,8 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
         expected = args.prompts * args.n
         checks["all_steps_completed"] = all(s["status_counts"]["completed"] == expected for s in steps)
         checks["at_least_two_steps"] = len(steps) >= 2
-        checks["every_stage_on_both_servers"] = all(st["servers"] == 2 for s in steps for st in s["stages"])
-        checks["both_servers_served_every_step"] = all(len(s["trajectories_per_server"]) == 2 for s in steps)
+        checks["every_stage_on_every_server"] = all(st["servers"] == args.num_servers for s in steps for st in s["stages"])
+        checks["every_server_served_every_step"] = all(len(s["trajectories_per_server"]) == args.num_servers for s in steps)
         checks["dispatches_only_inside_awake_windows"] = bool(dispatches) and all(
             any(lo <= t <= hi for lo, hi in windows) for t in dispatches)
         checks["no_generation_outside_awake"] = all(s["worker_generations_outside_awake"] == 0 for s in steps)
@@ -203,7 +210,8 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each server (< 0.5)")
+    p.add_argument("--num-servers", type=int, default=2, choices=[1, 2, 3, 4], help="SGLang servers sharing the GPU")
+    p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each server (sum < 1)")
     p.add_argument("--model", default=None, help="a real HF model folder (default: Qwen2.5-0.5B shape, dummy weights)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--dry-run", action="store_true", help="CPU engines instead of SGLang (debug the script)")
@@ -229,7 +237,7 @@ def main() -> int:
         out["traceback"] = traceback.format_exc()
         ok = False
     out["ok"] = ok
-    path = out_dir / "gpu_ray_two_servers.json"
+    path = out_dir / ("gpu_ray_two_servers.json" if args.num_servers == 2 else f"gpu_ray_{args.num_servers}_server.json")
     path.write_text(json.dumps(out, indent=1, default=str))
     print(f"{'OK' if ok else 'FAILED'}: {path}")
     return 0 if ok else 1

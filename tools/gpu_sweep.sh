@@ -9,7 +9,9 @@
 #   2. weights            benchmarks/weight_update.py (CUDA IPC: agentloop's one request, raw one request,
 #                         buckets of 256 MB / 1 GB, SGLang's flattened_bucket; GB/s; per-request cost)
 #   3. throughput points  benchmarks/rollout_throughput.py, one process per (concurrency, mean tool latency)
-#                         point of SWEEP_POINTS (default below: the c=256 / 0.5 s operating point first),
+#                         point of SWEEP_POINTS (default below: the c=256 / 0.5 s operating point first);
+#                         a point may name its modes: "256:0.5:ceiling,agentloop,agentloop_fifo" (default
+#                         SWEEP_MODES: ceiling agentloop turn_sync multiturn_raw),
 #                         1024 trajectories x 3 turns, heavy-tailed turn lengths, lognormal tool latency
 #                         (sigma 1); ceiling, agentloop and turn-sync each; client CPU-seconds per 1k tokens;
 #                         SGLang's own "Decode batch" / "Prefill batch" log lines of each point's window are
@@ -157,11 +159,12 @@ want weights && run_part weights 60 weight_update --out "$RES" $SIZE_WU
 n=0
 want throughput || POINTS=""
 for pt in $POINTS; do
-  c=${pt%%:*}; lat=${pt##*:}
+  IFS=: read -r c lat pmodes <<< "$pt"
+  pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop turn_sync multiturn_raw}}
   [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
-  limit=150; [ "${lat%%.*}" -ge 1 ] 2>/dev/null && limit=200  # 2 s tools: turn-sync waits out two tails of 1024 draws
+  limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
   run_part "throughput_c${c}_l${lat}" $limit rollout_throughput --out "$WORK/points/c${c}_l${lat}" $SIZE_TP \
-    --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1
+    --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ }
   [ $? = 2 ] && break
   n=$((n + 1))
   [ $n = 3 ] && want long_tail && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT

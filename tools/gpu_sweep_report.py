@@ -24,6 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from rollout_throughput import ALL_MODES as MODES  # noqa: E402
 
 _NUM = r"([0-9.]+)"
 _DECODE = {"gen_throughput": rf"gen throughput \(token/s\): {_NUM}", "running_req": rf"#running-req: {_NUM}",
@@ -93,30 +94,30 @@ def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes
                 p["sglang_log"] = parse_window(log[win[0]:win[1]].decode(errors="replace"))
                 p["exit_code"] = win[2]
             p["client_cpu_seconds_per_1k_tokens"] = {m: p[m].get("client_cpu_seconds_per_1k_tokens")
-                                                     for m in ("ceiling", "agentloop", "turn_sync") if m in p}
+                                                     for m in MODES if m in p}
             merged["points"].append(p)
         merged["runs"] += r.get("runs", [])
         merged["point_commands"].append(r.get("command"))
     merged["points"].sort(key=lambda p: (p["tool_latency_mean_s"], p["concurrency"]))
     merged["definitions"] = dict(merged.get("definitions", {}), sglang_log=(
-        "SGLang's own per-batch log lines during the point's run (ceiling, agentloop and turn-sync together): "
+        "SGLang's own per-batch log lines during the point's run (all its modes together): "
         "decode gen throughput (token/s, SGLang's figure over its log interval), running requests, KV token "
         "usage, CUDA-graph use; prefill new/cached prompt tokens"))
     return merged
 
 
 def table(merged: dict[str, Any]) -> str:
-    rows = ["lat_s  conc  ceil_tok/s  agent_tok/s  sync_tok/s  a/ceil  a/sync  cpu_s/1k(ceil,agent,sync)  "
-            "sglang_decode_tok/s(mean,max)  running_req_mean"]
+    """One line per point: tokens/s and client CPU-seconds per 1k tokens of each mode it ran, the ratios, SGLang's log."""
+    rows = []
     for p in merged["points"]:
         c = p["client_cpu_seconds_per_1k_tokens"]
         s = p.get("sglang_log", {})
-        rows.append(f"{p['tool_latency_mean_s']:5g} {p['concurrency']:5d} {p['ceiling']['tokens_per_s']:11.0f} "
-                    f"{p['agentloop']['tokens_per_s']:12.0f} {p['turn_sync']['tokens_per_s']:11.0f} "
-                    f"{p['agentloop_over_ceiling']:7.3f} {p['agentloop_over_turn_sync']:7.3f}  "
-                    f"{c.get('ceiling')}, {c.get('agentloop')}, {c.get('turn_sync')}  "
-                    f"{s.get('decode_gen_throughput_mean')}, {s.get('decode_gen_throughput_max')}  "
-                    f"{s.get('decode_running_req_mean')}")
+        modes = "  ".join(f"{m} {p[m]['tokens_per_s']:.0f} tok/s ({c.get(m)} cpu_s/1k)" for m in MODES if m in p)
+        ratios = "  ".join(f"{k[len('agentloop_over_'):]} {v:.3f}" for k, v in p.items()
+                           if k.startswith("agentloop_over_") and isinstance(v, float) and not k.endswith("_of_medians"))
+        rows.append(f"lat {p['tool_latency_mean_s']:g}s c={p['concurrency']}: {modes} | agentloop/ {ratios} | "
+                    f"SGLang decode tok/s mean {s.get('decode_gen_throughput_mean')} max "
+                    f"{s.get('decode_gen_throughput_max')}, running {s.get('decode_running_req_mean')}")
     return "\n".join(rows)
 
 
@@ -127,13 +128,15 @@ def plot_cpu(merged: dict[str, Any], path: Path) -> None:
     pts = merged["points"]
     labels = [f"c={p['concurrency']}\n{p['tool_latency_mean_s']:g}s" for p in pts]
     fig, ax = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(pts)), 4.4))
-    width = 0.27
-    for k, mode in enumerate(("ceiling", "agentloop", "turn_sync")):
-        ax[0].bar([i + (k - 1) * width for i in range(len(pts))],
+    modes = [m for m in MODES if any(m in p for p in pts)]
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        ax[0].bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(pts))],
                   [p["client_cpu_seconds_per_1k_tokens"].get(mode) or 0.0 for p in pts], width, label=mode)
     ax[0].set_xticks(range(len(pts)), labels, fontsize=7)
     ax[0].set(ylabel="client CPU-seconds per 1k generated tokens", title="client CPU cost")
     ax[0].legend(fontsize=8)
+    width = 0.27
     for k, (key, label) in enumerate((("ceiling", "client: ceiling tok/s"), ("agentloop", "client: agentloop tok/s"))):
         ax[1].bar([i + (k - 1) * width for i in range(len(pts))], [p[key]["tokens_per_s"] for p in pts], width, label=label)
     ax[1].bar([i + width for i in range(len(pts))], [p.get("sglang_log", {}).get("decode_gen_throughput_max", 0.0)

@@ -109,6 +109,7 @@ class RolloutWorker:
         self.router = PinnedRouter(
             self.gate,
             per_server_limit=scfg.per_server_concurrency,
+            slot_order=scfg.slot_order,
             max_retries=scfg.max_turn_retries,
             failure_threshold=scfg.server_failure_threshold,
             request_timeout=ecfg.request_timeout,

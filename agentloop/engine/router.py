@@ -16,6 +16,11 @@ the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
 - **Hung servers**: `take_out_stalled(after)` (the scheduler's step watchdog calls it) takes out
   every server that has requests in flight, answered none of them for `after` seconds and does not
   answer a `/model_info` probe either; their requests are cancelled and retried on the other servers.
+- **Slot order**: with a per-server limit, requests beyond it wait for a slot; `slot_order` says who
+  gets a freed slot first. `"depth_first"` (default): the trajectory with the most model turns behind
+  it, then the oldest — a trajectory back from its tool call goes before a fresh first turn, so started
+  trajectories finish instead of all of them advancing in lockstep and ending together in a long tail
+  (measured in benchmarks/rollout_throughput.py). `"fifo"`: arrival order.
 - **The gate**: generation goes only through `Gate.generate(url, ...)`; each request carries a
   unique rid, so `RouteSession.in_flight_rid` can be aborted on the servers directly.
 - **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
@@ -28,11 +33,13 @@ spans, on the session (the scheduler copies them into the trajectory's timeline)
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Literal, Sequence
 
 import anyio
 
@@ -43,11 +50,48 @@ from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NoServerError", "RouteSession", "Router", "RouterStats"]
+__all__ = ["NoServerError", "PrioritySlots", "RouteSession", "Router", "RouterStats", "SlotOrder"]
+
+SlotOrder = Literal["depth_first", "fifo"]
 
 
 class NoServerError(EngineUnavailable):
     """No healthy engine server is left to route to."""
+
+
+class PrioritySlots:
+    """A semaphore of `limit` slots whose waiters are admitted lowest key first (FIFO among equal keys).
+
+    A freed slot passes straight to the chosen waiter, so a newcomer cannot overtake the queue: `free`
+    is above zero only while nobody waits."""
+
+    def __init__(self, limit: int) -> None:
+        self.free = limit
+        self._heap: list[list] = []  # [key, seq, event, live]
+        self._seq = itertools.count()
+
+    async def acquire(self, key: tuple = ()) -> None:
+        if self.free > 0:
+            self.free -= 1
+            return
+        entry = [key, next(self._seq), anyio.Event(), True]
+        heapq.heappush(self._heap, entry)
+        try:
+            await entry[2].wait()
+        except BaseException:
+            if entry[2].is_set():  # granted, then cancelled before it could use the slot: pass it on
+                self.release()
+            else:
+                entry[3] = False  # lazily dropped by `release`
+            raise
+
+    def release(self) -> None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if entry[3]:
+                entry[2].set()
+                return
+        self.free += 1
 
 
 @dataclass
@@ -69,22 +113,27 @@ class Router:
         failure_threshold: int = 2,
         request_timeout: float | None = 600.0,
         health_timeout: float = 5.0,
+        slot_order: SlotOrder = "depth_first",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
+        if slot_order not in ("depth_first", "fifo"):
+            raise ValueError(f"slot_order must be 'depth_first' or 'fifo', got {slot_order!r}")
         self.gate: Gate = gate.gate if isinstance(gate, Lifecycle) else gate
         self.per_server_limit = per_server_limit
         self.max_retries = max_retries
         self.failure_threshold = failure_threshold
         self.request_timeout = request_timeout
         self.health_timeout = health_timeout
+        self.slot_order = slot_order
         self.clock = clock
         self.stats = RouterStats()
         self._outstanding: dict[str, int] = {}
         self._bound: dict[str, int] = {}
         self._failures: dict[str, int] = {}
-        self._slots: dict[str, anyio.Semaphore] = {}
+        self._slots: dict[str, PrioritySlots] = {}
+        self._sessions = itertools.count()  # session age, the tie-break of the slot order
         self._probe_locks: dict[str, anyio.Lock] = {}
         self._kept_last: set[str] = set()  # servers whose "last one: kept" was logged
 
@@ -148,11 +197,11 @@ class Router:
     def _unbind(self, url: str) -> None:
         self._bound[url] = max(0, self._bound.get(url, 0) - 1)
 
-    def _slot(self, url: str) -> anyio.Semaphore | None:
+    def _slot(self, url: str) -> PrioritySlots | None:
         if self.per_server_limit is None:
             return None
         if url not in self._slots:
-            self._slots[url] = anyio.Semaphore(self.per_server_limit)
+            self._slots[url] = PrioritySlots(self.per_server_limit)
         return self._slots[url]
 
     async def _on_failure(self, url: str, error: EngineError) -> None:
@@ -198,6 +247,7 @@ class RouteSession:
     def __init__(self, router: Router, key: str) -> None:
         self.router = router
         self.key = key
+        self.age = next(router._sessions)
         self.url: str | None = None
         self.in_flight_rid: str | None = None
         self.rids: list[str] = []
@@ -281,9 +331,10 @@ class RouteSession:
             return None
         slot = router._slot(url)
         if slot is not None:
-            if slot.value > 0:
-                await slot.acquire()
-            elif not await self._unless_stopped(slot.acquire):
+            key = (-len(self.rids), self.age) if router.slot_order == "depth_first" else (0, 0)
+            if slot.free > 0:
+                await slot.acquire(key)
+            elif not await self._unless_stopped(lambda: slot.acquire(key)):
                 return None
         try:
             t1 = clock()
