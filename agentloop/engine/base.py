@@ -1,7 +1,7 @@
 """The engine protocol: one async interface whose operations mirror SGLang's HTTP server API.
 
 Everything above `agentloop.engine` talks to engines through `EngineClient`; the SGLang HTTP
-client (`sglang.py`) implements it, and because the CPU reference engine (`local/`) serves the same
+client (`sglang/`) implements it, and because the CPU reference engine (`local/`) serves the same
 HTTP endpoints, that one client drives both. Data types here are the request/response contracts
 (field names follow SGLang's `io_struct.py` and the real responses recorded in
 `tests/fixtures/sglang_http_samples.json`).

@@ -8,29 +8,11 @@ SGLang 0.5.17 speaks them (see the recorded responses in
   `/abort_request` answers an empty 200; `/flush_cache` answers text (400 while requests run, which
   `flush_cache()` reports as False so the lifecycle can retry); weight updates answer
   `{"success", "message"}` where `success: false` (HTTP 400) raises.
-- SGLang's error bodies come in three shapes (`{"error": {"message"}}` from its handlers,
-  `{"detail": ...}` from FastAPI validation, `{"success": false, "message"}` from weight updates)
-  and plain text; `EngineError` carries the endpoint, status and the server's message from any.
+- SGLang's error bodies, in any of their shapes, become an `EngineError` carrying the endpoint, status
+  and the server's message (`error_body.py`).
 
-Network discipline: one shared `aiohttp.ClientSession` (created lazily in the running event loop,
-closed by `close()`), a timeout on every call, and retries with backoff only where repeating cannot
-do harm: GET requests (they change nothing) and any request that provably never reached the server.
-A POST that may have reached the server is never repeated: a repeated `/generate` would sample
-twice, a repeated release would crash SGLang (torch_memory_saver refuses a double pause).
-
-The keep-alive race: SGLang's uvicorn closes a connection idle for 5 s (`SGLANG_TIMEOUT_KEEP_ALIVE`),
-aiohttp pools idle connections for 15 s by default, so a request written onto a connection the
-server has just closed fails with `ServerDisconnectedError` (seen on the H200 after 0.5-3 s tool
-waits). Two defences: the client drops pooled connections idle for `keepalive_timeout` seconds
-(default 2 s, below the server's 5 s; `engine.keepalive_timeout`), and a request that provably never
-reached the server is sent again, whatever the endpoint, lifecycle calls and generates included.
-"Provably": the TCP connection could not be opened (`ClientConnectorError`), or a *reused*
-connection was closed by the server before any byte of a response came back (`ServerDisconnectedError`
-with no partial response, a reset/broken pipe, or the body could not be written). A live uvicorn never closes a connection that holds
-an unanswered request (it answers errors with a status), so that close is its idle timeout racing our
-write and the request was never read; a server that died while it held the request refuses the
-repeat's connection, so nothing runs twice. A failure after the response started is never repeated.
-Each server's reachability is logged once per change (unreachable, reachable again), not per request.
+How requests travel (one session, timeouts, which failures are retried, the keep-alive race) is
+`transport.py`, the base class of `SGLangClient`.
 
 What the client checks before sending (out-of-vocabulary ids, tensor names and shapes) and how it
 learns about the served model is in `served_model.py`.
@@ -43,100 +25,36 @@ like `Engine._serialize_tensors_per_rank`), imported lazily so this module needs
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import json
 import logging
 import uuid
-from types import SimpleNamespace
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import aiohttp
 import anyio
 
-from .base import (
+from .. import wire_json
+from ..base import (
     MEMORY_TAGS,
     EngineError,
-    EngineUnavailable,
     GenerateOutput,
     PauseMode,
     SamplingParams,
-    engine_url,
     parse_generate_response,
 )
-from . import wire_json
-from .served_model import ServedModelChecks, TensorTransport
-from .weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
+from ..served_model import ServedModelChecks, TensorTransport
+from ..weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
+from .error_body import error_message
+from .transport import DEFAULT_KEEPALIVE_SECONDS, HttpTransport
 
 log = logging.getLogger(__name__)
 
-#: Connection failures that happen before any byte of the request left this process.
-_NOT_SENT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError,)
-#: SGLang's HTTP keep-alive (uvicorn `timeout_keep_alive`, `SGLANG_TIMEOUT_KEEP_ALIVE`), seconds.
-SGLANG_KEEPALIVE_SECONDS = 5.0
-#: How long the client keeps an idle connection for reuse: well below the server's, so the server
-#: never closes a connection the client is about to write on (aiohttp's own default is 15 s).
-DEFAULT_KEEPALIVE_SECONDS = 2.0
-#: Resends of one request after reused connections were found closed (each proven unsent).
-_MAX_STALE_RESENDS = 3
 
-
-def _closed_before_reply(e: BaseException, reused: bool) -> bool:
-    """Whether `e` (raised before any response) proves the server never read the request: a reused
-    connection the server had closed (clean close with nothing of a response parsed, a reset / broken
-    pipe when our write met the closed socket, or aiohttp's "Can not write request body": the body
-    never went out whole, so no server can have acted on it). See the module docstring."""
-    if not reused:
-        return False
-    if isinstance(e, aiohttp.ServerDisconnectedError):
-        return isinstance(e.message, str)  # a partly received response would be its RawResponseMessage
-    return isinstance(e, aiohttp.ClientOSError) and (
-        e.errno in (errno.ECONNRESET, errno.EPIPE) or "Can not write request body" in str(e))
-
-
-async def _on_reused(_session: Any, ctx: SimpleNamespace, _params: Any) -> None:
-    if isinstance(ctx.trace_request_ctx, dict):
-        ctx.trace_request_ctx["reused"] = True
-#: asyncio.TimeoutError is not the builtin TimeoutError before Python 3.11.
-_TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
-_JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-def error_message(body: bytes | str) -> str:
-    """The human message inside any of SGLang's error bodies (JSON shapes or plain text)."""
-    text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip() or "(empty response body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, (str, list)) and err:
-            return err if isinstance(err, str) else "; ".join(map(str, err))
-        detail = data.get("detail")
-        if isinstance(detail, list):  # FastAPI/pydantic validation errors
-            parts = []
-            for d in detail:
-                if isinstance(d, dict):
-                    loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
-                    parts.append(f"{loc}: {d.get('msg', d)}" if loc else str(d.get("msg", d)))
-                else:
-                    parts.append(str(d))
-            return "; ".join(parts)
-        if detail is not None:
-            return str(detail)
-        if "message" in data:
-            return str(data["message"])
-    return text.strip()
-
-
-class SGLangClient(ServedModelChecks):
+class SGLangClient(HttpTransport, ServedModelChecks):
     """Async client of one SGLang-compatible HTTP server (real SGLang or `agentloop serve`).
 
     `timeout` bounds every control call; `generate_timeout` bounds a generate unless the call gives
-    its own. `retries`/`backoff` apply only to safe-to-repeat requests (see module docstring).
+    its own. `retries`/`backoff` apply only to safe-to-repeat requests (see `transport.py`).
     `tensor_transport="auto"` asks `/server_info` once which weight-tensor transport to use.
     `keepalive_timeout`: seconds an idle pooled connection is reused (keep it below the server's,
     `SGLANG_KEEPALIVE_SECONDS`). A caller's own `session` keeps its connector's settings, and without
@@ -161,26 +79,15 @@ class SGLangClient(ServedModelChecks):
     ) -> None:
         if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
             raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
-        self.url = engine_url(url)
-        self.timeout = timeout
+        super().__init__(url, timeout=timeout, session=session, retries=retries, backoff=backoff,
+                         max_connections=max_connections, keepalive_timeout=keepalive_timeout)
         self.generate_timeout = generate_timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.max_connections = max_connections
-        if not 0 < keepalive_timeout < SGLANG_KEEPALIVE_SECONDS:
-            log.warning("keepalive_timeout %.1fs for %s is not below SGLang's %.0fs: idle connections may be "
-                        "closed under a request", keepalive_timeout, url, SGLANG_KEEPALIVE_SECONDS)
-        self.keepalive_timeout = keepalive_timeout
-        #: None until the first answer or failure; each change is logged once (`_reachable_now`).
-        self.reachable: bool | None = None
         #: Set by the lifecycle gating this client: whether generation is allowed now (AWAKE). A generate
         #: or /health whose request leaves while it says no is counted in `sent_outside_awake` — measured
         #: at the send, after any lookup the call awaited, not where the gate was passed.
         self.gate_open: Callable[[], bool] | None = None
         self.sent_outside_awake = 0
         self.tensor_transport: TensorTransport = tensor_transport
-        self._session = session
-        self._owns_session = session is None
         self._tp_size: int | None = None
         #: "auto" until looked up; then the size, or None when it cannot be known (ids go unchecked)
         self.vocab_size: int | None | Literal["auto"] = vocab_size
@@ -193,131 +100,17 @@ class SGLangClient(ServedModelChecks):
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
 
-    # ------------------------------------------------------------------ session
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            if not self._owns_session:
-                raise EngineError("(session)", None, "the aiohttp session given to SGLangClient is closed", url=self.url)
-            # limit: a rollout step keeps hundreds of generates open at once; aiohttp's default (100)
-            # would queue them client-side and eat into their timeouts.
-            trace = aiohttp.TraceConfig()
-            trace.on_connection_reuseconn.append(_on_reused)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.keepalive_timeout),
-                trace_configs=[trace])
-        return self._session
-
     def _sending_generation(self, endpoint: str) -> None:
         if self.gate_open is not None and not self.gate_open():
             self.sent_outside_awake += 1
             log.error("%s sent to %s outside AWAKE (real SGLang crashes on a generate or /health while its "
                       "memory is released)", endpoint, self.url)
 
-    def _reachable_now(self, reachable: bool, why: str = "") -> None:
-        """Log a change of this server's reachability once (not once per request)."""
-        if reachable == self.reachable:
-            return
-        if not reachable:
-            log.warning("engine server %s unreachable: %s", self.url, why)
-        elif self.reachable is False:
-            log.info("engine server %s reachable again", self.url)
-        self.reachable = reachable
-
-    async def close(self) -> None:
-        if self._owns_session and self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None if self._owns_session else self._session
-
     async def __aenter__(self) -> "SGLangClient":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    # ------------------------------------------------------------------ transport
-    async def _request(
-        self,
-        method: str,
-        endpoint: str,
-        body: Any = None,
-        *,
-        timeout: float | None = None,
-        retry: bool | None = None,
-        ok_statuses: Sequence[int] = (200,),
-    ) -> tuple[int, bytes]:
-        """Send one request; returns (status, body). Raises EngineUnavailable / EngineError.
-
-        Statuses outside `ok_statuses` raise `EngineError` with the server's message.
-        """
-        if retry is None:
-            retry = method == "GET"
-        tmo = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
-        failures = 0  # failed attempts that count against `retries`
-        stale = 0  # resends after a reused connection was found closed (proven unsent; not counted)
-        while True:
-            if failures and not stale:
-                await anyio.sleep(self.backoff * (2 ** (failures - 1)))
-            conn: dict[str, bool] = {}  # set by the session's trace: {"reused": True} on a pooled connection
-            replied = False
-            try:
-                kwargs: dict[str, Any] = {"timeout": tmo, "trace_request_ctx": conn}
-                if isinstance(body, bytes):  # already JSON (see wire_json)
-                    kwargs["data"] = body
-                    kwargs["headers"] = _JSON_HEADERS
-                elif body is not None:
-                    kwargs["json"] = body
-                async with self._get_session().request(method, self.url + endpoint, **kwargs) as resp:
-                    replied = True
-                    data = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, *_TIMEOUT_ERRORS, OSError) as e:
-                if not replied and stale < _MAX_STALE_RESENDS and _closed_before_reply(e, conn.get("reused", False)):
-                    log.debug("%s %s: reused connection closed before the request was read (%s); sending again",
-                              method, self.url + endpoint, e)
-                    stale += 1
-                    continue
-                stale = 0
-                failures += 1
-                if isinstance(e, _NOT_SENT_ERRORS):
-                    what, may_repeat = f"cannot connect: {e}", True  # nothing was sent
-                elif isinstance(e, _TIMEOUT_ERRORS):
-                    what, may_repeat = f"timed out after {tmo.total}s", retry
-                else:
-                    what, may_repeat = f"{type(e).__name__}: {e}", retry
-                if may_repeat and failures <= self.retries:
-                    continue
-                self._reachable_now(False, what)
-                raise EngineUnavailable(endpoint, None, what, url=self.url) from e
-            self._reachable_now(True)
-            if status not in ok_statuses:
-                if retry and status in (502, 503, 504) and failures < self.retries:
-                    failures += 1
-                    stale = 0
-                    continue
-                raise EngineError(endpoint, status, error_message(data), url=self.url)
-            return status, data
-
-    async def _json(self, method: str, endpoint: str, body: Any = None, **kw: Any) -> Any:
-        _, data = await self._request(method, endpoint, body, **kw)
-        if not data:
-            return None
-        try:
-            return wire_json.loads(data)
-        except ValueError as e:
-            raise EngineError(endpoint, 200, f"response is not JSON: {data[:200]!r}", url=self.url) from e
-
-    async def _success_call(self, endpoint: str, body: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
-        """POST to an endpoint answering `{"success", "message"}`; `success: false` raises."""
-        status, data = await self._request("POST", endpoint, dict(body), ok_statuses=(200, 400), **kw)
-        try:
-            out = json.loads(data) if data else None
-        except ValueError:
-            out = None
-        if not isinstance(out, dict) or "success" not in out:
-            raise EngineError(endpoint, status, error_message(data), url=self.url)
-        if not out["success"]:
-            raise EngineError(endpoint, status, str(out.get("message", "")), url=self.url)
-        return out
 
     # ------------------------------------------------------------------ generation
     async def generate(
