@@ -14,7 +14,9 @@ polled here: on SGLang it runs a generate, and a generate that reaches a release
 `--load-format dummy` servers (random weights, real speed and memory; benchmarks and GPU tests).
 
 Each server runs in its own process group (SGLang forks scheduler and detokenizer processes), so
-`stop()` ends all of them: SIGTERM to the group, then SIGKILL after a grace period.
+`stop()` ends all of them: SIGTERM to the group, then SIGKILL after a grace period. A launched server
+is also tethered to the launching process (`agentloop.engine.tether`): if that process dies without
+stopping it (SIGKILL, a timeout), the kernel kills the server, and SGLang's children follow it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import anyio
 
 from .base import EngineError
 from .sglang import SGLangClient
+from .tether import popen_tethered
 
 READY_LINE = "The server is fired up and ready to roll!"
 
@@ -185,12 +188,13 @@ class SGLangServer:
             self._log_file.write(("$ " + " ".join(argv) + "\n").encode())
             self._log_file.flush()
             # Own process group: SGLang's scheduler/detokenizer children are stopped with it.
-            self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
+            self.proc = popen_tethered(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             await self.wait_ready(timeout=max(1.0, timeout - (time.monotonic() - t0)))
         except BaseException:
-            await self.stop()
+            with anyio.CancelScope(shield=True):  # a cancelled start still ends the whole group
+                await self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
         return self.url

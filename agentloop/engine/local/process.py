@@ -4,6 +4,9 @@ Starts `python -m agentloop.cli serve --model DIR --host H --port P ...`, writes
 file, and waits until `GET /model_info` answers (a non-generating probe, safe in any memory state).
 If the process dies or the timeout passes first, the error carries the tail of the log. `stop()`
 sends SIGTERM, then SIGKILL after a grace period. Usable as an async context manager.
+
+The process is tethered to the one that starts it (`agentloop.engine.tether`): if that one dies
+without stopping it (SIGKILL, a timeout), the kernel kills the server too, freeing its port.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 import aiohttp
+
+from ..tether import popen_tethered
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,6 +64,10 @@ class LocalEngineProcess:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def returncode(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
 
@@ -80,7 +89,7 @@ class LocalEngineProcess:
         if self._proc is not None:
             raise RuntimeError("LocalEngineProcess already started")
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = popen_tethered(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
             while True:
