@@ -19,12 +19,17 @@ This module owns the engines' lifetime and the step sequence, nothing else:
   Returns a `StepResult`: trajectories, the tensor batch, carry-over samples for the next step,
   metrics (tokens/s, counts by status, seconds of every wake/sleep stage) and the weight version.
 - **`step_sync(...)`**: the same coroutine through an anyio blocking portal (one event loop for the
-  runtime's whole life, since HTTP sessions and subprocesses belong to it). No second implementation.
+  runtime's whole life, since HTTP sessions and subprocesses belong to it): `runtime_sync.SyncFacade`.
+  No second implementation.
+
+A step's arguments are checked before any engine wakes (`runtime_inputs`); its metrics are assembled
+by `runtime_metrics.step_metrics`; what it returns is `runtime_types`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -32,7 +37,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import anyio
-import anyio.from_thread
 
 from .batch import CollateError, collate
 from .config import RuntimeConfig
@@ -47,6 +51,9 @@ from .engine_setup import (
     make_client,
     start_embedded,
 )
+from .runtime_inputs import check_pad_to, check_reward_name, rows_to_samples
+from .runtime_metrics import step_metrics
+from .runtime_sync import SyncFacade
 from .runtime_types import (
     AgentloopError,
     StepCollateError,
@@ -54,7 +61,6 @@ from .runtime_types import (
     StepResult,
     StepSleepError,
     StepStream,
-    check_pad_to,
 )
 from .scheduler import ScheduleResult, Scheduler, with_overrides
 from .types import Sample, Trajectory, training_rows
@@ -66,7 +72,7 @@ __all__ = ["AgentloopError", "Runtime", "StepCollateError", "StepError", "StepRe
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
 
-class Runtime:
+class Runtime(SyncFacade):
     """Owns or attaches engines and runs steps. Use as `async with Runtime(cfg) as rt: await rt.step(...)`
     or, from synchronous code, `with Runtime(cfg) as rt: rt.step_sync(...)`."""
 
@@ -101,12 +107,10 @@ class Runtime:
         self.processes: list[Any] = []  #: embedded engine processes / launched servers we own
         self.model_path: str | None = None
         self.steps_done = 0
-        self._rows_converted = 0  #: dict rows given to `step` so far (numbers their generated uids)
+        self._row_numbers = itertools.count(1)  #: numbers the uids generated for dict rows given to `step`
         #: Smallest usable context (prompt + response) the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
         self._step_lock = anyio.Lock()
-        self._portal_cm: Any = None
-        self._portal: anyio.from_thread.BlockingPortal | None = None
 
     # ------------------------------------------------------------------ start / stop
     @property
@@ -279,16 +283,13 @@ class Runtime:
         step short of the target (see `agentloop.scheduler`); rejected groups are on `StepResult.rejected`.
         """
         pad_to = check_pad_to(pad_to)
-        samples = self._as_samples(samples)
+        samples = rows_to_samples(samples, self._row_numbers, trainer_reward=self.reward_fn is not None)
         if not self.started:
             await self.start()
         assert self.lifecycle is not None and self.scheduler is not None
         cfg = with_overrides(self.config.scheduler, overrides)
-        if self.reward_fn is None and cfg.reward is not None:
-            from .rewards import registered_rewards
-
-            if cfg.reward not in registered_rewards():  # refused before any engine wakes, not per trajectory
-                raise ValueError(f"scheduler.reward: unknown reward function {cfg.reward!r}; registered: {registered_rewards()}")
+        if self.reward_fn is None:
+            check_reward_name(cfg.reward)
         async with self._step_lock:
             lc = self.lifecycle
             first_record, first_event = len(lc.records), len(lc.server_events)
@@ -326,57 +327,14 @@ class Runtime:
                 raise StepCollateError(f"step {self.steps_done + 1}: {e} (the step's trajectories and carry-over are on "
                                        "this exception)", result.trajectories, result.carry_over) from e
             self.steps_done += 1
-            metrics = dict(result.metrics)
-            stages: dict[str, float] = {}
-            for r in lc.records[first_record:]:
-                key = f"{r.phase}/{r.stage}"
-                stages[key] = stages.get(key, 0.0) + r.seconds
-            metrics.update(
-                step=self.steps_done,
-                weight_version=version,
-                wake_up_seconds=t_awake - t0,
-                rollout_seconds=t_rolled - t_awake,
-                sleep_seconds=t_end - t_rolled,
-                step_seconds=t_end - t0,
-                stage_seconds=stages,
-                generations_outside_awake=lc.generations_outside_awake,
-            )
-            # Servers that left or re-entered rotation during the step (probe, stage, router, watchdog). In
-            # place: Ray's metrics["ray"] shares the dict.
-            events = lc.server_events[first_event:]
-            removed = metrics.setdefault("servers_removed", {})
-            for e in events:
-                if e["event"] == "out":
-                    removed.setdefault(e["url"], e["reason"])
-            metrics["servers_readmitted"] = [e["url"] for e in events if e["event"] == "in"]
-            metrics["servers_out_of_rotation"] = lc.out_of_rotation
+            metrics = step_metrics(
+                result.metrics, step=self.steps_done, weight_version=version, times=(t0, t_awake, t_rolled, t_end),
+                records=lc.records[first_record:], server_events=lc.server_events[first_event:],
+                generations_outside_awake=lc.generations_outside_awake, out_of_rotation=lc.out_of_rotation)
             return StepResult(
                 step=self.steps_done, weight_version=version, trajectories=rows, batch=batch,
                 carry_over=result.carry_over, metrics=metrics, rejected=result.rejected,
             )
-
-    def _as_samples(self, samples: Sequence[Sample | Mapping[str, Any]]) -> list[Sample]:
-        """Samples as given; dict rows through the dataset's own validation (`row_to_sample`)."""
-        if not any(isinstance(s, Mapping) for s in samples):
-            return list(samples)  # type: ignore[arg-type]
-        from .agents.base import registered_agents
-        from .dataset import row_to_sample
-        from .rewards import registered_rewards
-
-        out: list[Sample] = []
-        for i, s in enumerate(samples):
-            if not isinstance(s, Mapping):
-                out.append(s)
-                continue
-            self._rows_converted += 1
-            try:
-                out.append(row_to_sample(
-                    dict(s), default_uid=f"row-{self._rows_converted}", known_agents=registered_agents(),
-                    # a trainer's reward_fn scores every trajectory: row reward names are its business
-                    known_rewards=registered_rewards() if self.reward_fn is None else None))
-            except ValueError as e:
-                raise ValueError(f"step: samples[{i}] is not a usable row: {e}") from None
-        return out
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -432,34 +390,3 @@ class Runtime:
     @property
     def weight_version(self) -> str | None:
         return self.lifecycle.weight_version if self.lifecycle else None
-
-    # ------------------------------------------------------------------ sync facade
-    def _blocking_portal(self) -> anyio.from_thread.BlockingPortal:
-        if self._portal is None:
-            self._portal_cm = anyio.from_thread.start_blocking_portal()
-            self._portal = self._portal_cm.__enter__()
-        return self._portal
-
-    def start_sync(self) -> "Runtime":
-        self._blocking_portal().call(self.start)
-        return self
-
-    def step_sync(self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any) -> StepResult:
-        """`step` from synchronous code (same coroutine, run in the runtime's event-loop thread)."""
-        portal = self._blocking_portal()
-        return portal.call(lambda: self.step(samples, weights, **kwargs))
-
-    def stop_sync(self) -> None:
-        if self._portal is None:
-            return
-        try:
-            self._portal.call(self.stop)
-        finally:
-            cm, self._portal, self._portal_cm = self._portal_cm, None, None
-            cm.__exit__(None, None, None)
-
-    def __enter__(self) -> "Runtime":
-        return self.start_sync()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_sync()

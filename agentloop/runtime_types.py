@@ -1,6 +1,6 @@
 """What a `Runtime` step hands back: `StepResult`, the `StepStream` of a running step, and the
-errors that carry a finished rollout's trajectories when the step cannot complete; the `pad_to`
-argument check made before any engine wakes."""
+errors that carry a finished rollout's trajectories when the step cannot complete. (The checks of a
+step's arguments, `check_pad_to` included, are `runtime_inputs`.)"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from .batch import RaggedBatch, RolloutBatch, ragged
+from .runtime_inputs import check_pad_to  # re-exported: it was defined here
 from .types import Sample, Trajectory
 
 __all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
@@ -34,16 +35,6 @@ class StepCollateError(StepError):
 class StepSleepError(StepError):
     """The engines' sleep after the rollout failed (the error names the stage and server). The next
     `step` finishes that sleep from the failed stage before it wakes the engines."""
-
-
-def check_pad_to(pad_to: Any) -> tuple[int | None, int | None] | None:
-    """`pad_to` checked before any engine wakes: None or (prompt_len, response_len), each None or >= 1."""
-    if pad_to is None:
-        return None
-    if not isinstance(pad_to, (tuple, list)) or len(pad_to) != 2 or not all(
-            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in pad_to):
-        raise ValueError(f"pad_to must be None or (prompt_len, response_len), each a positive int or None; got {pad_to!r}")
-    return (pad_to[0], pad_to[1])
 
 
 @dataclass
