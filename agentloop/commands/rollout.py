@@ -3,9 +3,11 @@
 This module is a thin caller of `agentloop.runtime.Runtime` (the one async step: wake-up in stages
 → roll out → sleep); it owns only what the command adds around it: settings (YAML + flags), the
 dataset, running the steps with their prompt batches, streaming finished trajectories to disk, the
-progress display, summary.json and timeline.png. Which rows each step takes lives in
-`rollout_prompts`; how a run is stopped (signals) and which failures are the engines' lives in
-`rollout_stop`; the flags in `rollout_args`.
+progress display and the exit status. Which rows each step takes lives in `rollout_prompts`; how a
+run is stopped (signals) and which failures are the engines' lives in `rollout_stop`; the flags in
+`rollout_args`; what is refused before any engine starts in `rollout_checks`; the run's state in
+`rollout_state`; the files written at the end (Parquet, summary.json, timeline.png) and the closing
+lines in `rollout_outputs`.
 
 With no `--engine-url` it starts the embedded CPU engine with the shipped tiny tool model, and with
 no `--data` it uses the bundled arithmetic prompts, so `agentloop rollout` alone runs a real
@@ -24,35 +26,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
 
 import anyio
 
 from ..dataset import Dataset, DatasetError, load_dataset
-from ..engine.lifecycle import StageRecord
-from ..output import (
-    PARQUET_NAME,
-    SUMMARY_NAME,
-    TIMELINE_NAME,
-    OutputWriteError,
-    TrajectoryStream,
-    clear_outputs,
-    summarize_run,
-    summarize_step,
-    write_parquet,
-    write_summary,
-)
+from ..output import OutputWriteError, TrajectoryStream, clear_outputs
 from ..progress import RolloutProgress
 from ..rollout_config import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
-from .rollout_checks import preflight
-from .rollout_prompts import groups_per_step, launched_groups, prompt_statuses, step_prompts, take_prompts
+from .rollout_checks import model_problem, preflight, previous_run
+from .rollout_outputs import finish_outputs, preload_output_modules, print_result, step_summary, write_failure_message
+from .rollout_prompts import groups_per_step, launched_groups, step_prompts, take_prompts
+from .rollout_state import CommandRun, StepRecord
 from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
 
@@ -63,47 +51,7 @@ __all__ = ["EXIT_ENGINE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "groups_p
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_OUTPUT = 74  # sysexits' EX_IOERR
 
-# ------------------------------------------------------------------------------------ the run
-@dataclass
-class _StepRecord:
-    step: int
-    trajectories: list[Trajectory] = field(default_factory=list)
-    records: list[StageRecord] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    seconds: float | None = None
-    #: {prompt (group) uid: trajectories launched} and the groups continued next step.
-    launched: dict[str, int] = field(default_factory=dict)
-    carried: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _CommandRun:
-    cfg: RolloutConfig
-    dataset: Dataset
-    progress: RolloutProgress
-    steps: list[_StepRecord] = field(default_factory=list)
-    stream: TrajectoryStream | None = None
-    interrupted: bool = False
-    error: str | None = None
-    engine_urls: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.time)
-    written: list[Path] = field(default_factory=list)
-    runtime: Any = None
-    in_step: bool = False
-    #: Output files that could not be written ("name: reason"); the first stops the run.
-    write_errors: list[str] = field(default_factory=list)
-
-
-def _rollout_window(records: Sequence[StageRecord]) -> float | None:
-    """Roll-out wall seconds of a step: from the end of its wake-up to the start of its sleep."""
-    wake = [r.end for r in records if r.phase == "wake_up"]
-    sleep = [r.start for r in records if r.phase == "sleep"]
-    if wake and sleep and min(sleep) >= max(wake):
-        return min(sleep) - max(wake)
-    return None
-
-
-async def _run_steps(run: _CommandRun) -> None:
+async def _run_steps(run: CommandRun) -> None:
     cfg = run.cfg
     out = Path(cfg.out)
     urls = cfg.runtime.engine.urls
@@ -144,14 +92,14 @@ async def _run_steps(run: _CommandRun) -> None:
             prompts = carry + fresh
             by_group = {p.group_id or p.uid: p for p in prompts}
             n = cfg.runtime.scheduler.n
-            rec = _StepRecord(step, launched=launched_groups(prompts, n))
+            rec = StepRecord(step, launched=launched_groups(prompts, n))
             run.steps.append(rec)
             first_record = len(runtime.lifecycle.records)
             total = sum(rec.launched.values())
             run.progress.begin_step(step, cfg.steps, total)
             t0 = time.monotonic()
 
-            async def done(traj: Trajectory, rec: _StepRecord = rec, step: int = step,
+            async def done(traj: Trajectory, rec: StepRecord = rec, step: int = step,
                            by_group: dict[str, Sample] = by_group) -> None:
                 row = by_group.get(traj.group_id)
                 if row is not None and row.extra:
@@ -190,7 +138,7 @@ async def _run_steps(run: _CommandRun) -> None:
                         await done(s.resume_from)
             else:
                 rec.carried = {s.group_id or s.uid for s in carry}
-            run.progress.end_step(_step_summary(rec))
+            run.progress.end_step(step_summary(rec))
             if run.interrupted or run.write_errors:
                 break
     finally:
@@ -198,7 +146,7 @@ async def _run_steps(run: _CommandRun) -> None:
             await runtime.stop()
 
 
-def _stop_on_write_error(run: _CommandRun, e: OSError) -> None:
+def _stop_on_write_error(run: CommandRun, e: OSError) -> None:
     """The trajectory file cannot be written (disk full?): stop the run as a first Ctrl-C would (the
     step's trajectories come back and are kept in memory for the other outputs); no more steps."""
     if run.write_errors:
@@ -210,69 +158,7 @@ def _stop_on_write_error(run: _CommandRun, e: OSError) -> None:
         scheduler.stop("output_error")
 
 
-def _attempt(run: _CommandRun, name: str, write: Callable[[], Path | None]) -> Path | None:
-    """`write()`, or None with the failure recorded: one output that cannot be written (a full disk)
-    does not keep the others from being tried."""
-    try:
-        return write()
-    except OSError as e:
-        run.write_errors.append(f"{name}: {e.strerror or e}")
-        return None
-
-
-def _step_summary(rec: _StepRecord) -> dict[str, Any]:
-    rollout = rec.metrics.get("rollout_seconds")
-    if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
-        rollout = _rollout_window(rec.records)
-    return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
-                          rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"),
-                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried))
-
-
-def _preload_output_modules() -> None:
-    """Only a head start: any failure shows again, with its real message, when the files are written."""
-    try:
-        import pyarrow.parquet  # noqa: F401
-        from matplotlib.backends import backend_agg  # noqa: F401
-
-        from .. import timeline  # noqa: F401
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _finish_outputs(run: _CommandRun) -> list[Path]:
-    """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
-    if run.stream is None:
-        return []
-    out = Path(run.cfg.out)
-    stream = run.stream
-    rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
-    written = [_attempt(run, stream.partial.name, stream.close),
-               _attempt(run, PARQUET_NAME, lambda: write_parquet(out / PARQUET_NAME, rows))]
-    summaries = [_step_summary(rec) for rec in run.steps]
-    summary = summarize_run(
-        summaries,
-        interrupted=run.interrupted,
-        error=run.error,
-        data=run.dataset.path,
-        prompts=len(run.dataset.samples),
-        bad_rows=len(run.dataset.bad_rows),
-        engines=run.engine_urls or run.cfg.runtime.engine.urls,
-        n=run.cfg.runtime.scheduler.n,
-        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(run.started)),
-        wall_seconds=round(time.time() - run.started, 3),
-        write_errors=list(run.write_errors),
-    )
-    written.append(_attempt(run, SUMMARY_NAME, lambda: write_summary(out / SUMMARY_NAME, summary)))
-    if run.cfg.timeline and any(rec.trajectories or rec.records for rec in run.steps):
-        from ..timeline import StepTimeline, plot_timeline
-
-        panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
-        written.append(_attempt(run, TIMELINE_NAME, lambda: plot_timeline(panels, out / TIMELINE_NAME)))
-    return [p for p in written if p is not None]
-
-
-async def _main(run: _CommandRun) -> int:
+async def _main(run: CommandRun) -> int:
     code = EXIT_OK
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
@@ -280,7 +166,7 @@ async def _main(run: _CommandRun) -> int:
         if run.cfg.timeline:
             # The plotting and Parquet modules load in the background while the step waits on the
             # engines, instead of after it, when the user is waiting for the files.
-            tg.start_soon(anyio.to_thread.run_sync, _preload_output_modules)
+            tg.start_soon(anyio.to_thread.run_sync, preload_output_modules)
         with work:
             try:
                 await _run_steps(run)
@@ -297,25 +183,12 @@ async def _main(run: _CommandRun) -> int:
                 # Seconds on a small machine (Parquet, the plot): say so rather than look stuck.
                 files = "trajectories.parquet, summary.json" + (", timeline.png" if run.cfg.timeline else "")
                 run.progress.message(f"writing {files} to {run.cfg.out} ...")
-            run.written = await anyio.to_thread.run_sync(_finish_outputs, run)
+            run.written = await anyio.to_thread.run_sync(finish_outputs, run)
         if run.write_errors:
             code = EXIT_OUTPUT
-            run.error = _write_failure_message(run)
+            run.error = write_failure_message(run)
         tg.cancel_scope.cancel()
     return code
-
-
-def _write_failure_message(run: _CommandRun) -> str:
-    """What could not be written, and where the run's data is."""
-    stream = run.stream
-    kept = f"{stream.count} complete trajectories (whole lines) are in {stream.partial}" if stream is not None \
-        and stream.failed is not None else None
-    lines = ["could not write the run's outputs; the run was stopped:", *run.write_errors]
-    if kept:
-        lines.append(kept)
-    if run.written:
-        lines.append("written: " + ", ".join(str(p) for p in run.written))
-    return "\n  ".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         print("agentloop rollout: Ray mode (--ray / runtime.ray.enabled) needs Ray: pip install 'agentloop[ray]'",
               file=sys.stderr)
         return EXIT_USAGE
-    refusal = _model_problem(cfg) or (_previous_run(Path(cfg.out)) if not cfg.overwrite else None)
+    refusal = model_problem(cfg) or (previous_run(Path(cfg.out)) if not cfg.overwrite else None)
     if refusal:
         print(f"agentloop rollout: {refusal}", file=sys.stderr)
         return EXIT_USAGE
@@ -347,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         more = f"\n  ... and {len(dataset.bad_rows) - 10} more" if len(dataset.bad_rows) > 10 else ""
         print(f"agentloop rollout: skipped {len(dataset.bad_rows)} bad row(s) of {dataset.path} "
               f"(on_bad_row=skip):\n  {shown}{more}", file=sys.stderr)
-    state = _CommandRun(cfg, dataset, progress)
+    state = CommandRun(cfg, dataset, progress)
     try:
         with progress:
             code = anyio.run(_main, state)
@@ -359,36 +232,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     if state.error:
         print(f"agentloop rollout: {state.error}", file=sys.stderr)
-    _print_result(state, code)
+    print_result(state, "interrupted" if code == EXIT_INTERRUPTED else ("failed" if code else "done"))
     return code
-
-
-def _model_problem(cfg: RolloutConfig) -> str | None:
-    """Why the embedded engine's model folder cannot be served (a bad setting, exit 2), or None.
-    Not checked for a Ray cluster given by address: the folder need only exist on its nodes."""
-    eng = cfg.runtime.engine
-    if eng.model is None or eng.urls or eng.launch is not None or cfg.runtime.ray.address:
-        return None
-    model = Path(eng.model)
-    if not model.is_dir():
-        return f"--model {model} (runtime.engine.model): no such folder"
-    if not (model / "config.json").is_file():
-        return f"--model {model} (runtime.engine.model): no config.json in it (a Hugging Face model folder is needed)"
-    return None
-
-
-def _previous_run(out: Path) -> str | None:
-    """Why `out` may not be written without --overwrite (it holds files), or None."""
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        return f"--out {out} is a file, not a folder"
-    held = sorted(p.name for p in out.iterdir())
-    if not held:
-        return None
-    shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-    return (f"output folder {out} is not empty ({shown}); pass --overwrite to replace its run's files "
-            f"(config: overwrite: true), or give another --out")
 
 
 def _load_data(cfg: RolloutConfig) -> Dataset:
@@ -403,32 +248,3 @@ def _load_data(cfg: RolloutConfig) -> Dataset:
         path = Path(cfg.data)
     return load_dataset(path, on_bad_row=cfg.on_bad_row, known_agents=registered_agents(),
                         known_rewards=registered_rewards())
-
-
-def _print_result(state: _CommandRun, code: int) -> None:
-    written = state.written
-    if not written:
-        return
-    summary_path = Path(state.cfg.out) / SUMMARY_NAME
-    if not summary_path.exists():  # it could not be written: the error message says what there is
-        return
-    total = json.loads(summary_path.read_text())["total"]
-    st = total.get("status", {})
-    head = "interrupted" if code == EXIT_INTERRUPTED else ("failed" if code else "done")
-    tps = total.get("tokens_per_second")
-    reward = total.get("reward_mean")
-    reward_s = f"{reward:.3f}" if reward is not None else "n/a"
-    tps_s = f"{tps:.1f}" if tps is not None else "n/a"
-    lines = [
-        f"{head}: {total.get('trajectories', 0)} trajectories in {total.get('steps', 0)} step(s) "
-        f"({', '.join(f'{k} {v}' for k, v in st.items() if v) or 'none finished'}); "
-        f"{total.get('trajectories_with_tool_call', 0)} with tool calls ({total.get('tool_calls', 0)} calls); "
-        f"reward mean {reward_s}; {tps_s} generated tokens/s",
-        "wrote: " + ", ".join(str(p) for p in written),
-    ]
-    prompts = total.get("prompt_status", {})
-    if any(prompts.get(k) for k in ("aborted", "not_started")):
-        # What to re-run: every prompt's status is in summary.json.
-        lines.insert(1, "prompts: " + ", ".join(f"{k} {v}" for k, v in prompts.items() if v)
-                     + f" (each prompt's status: {summary_path} per_step[].prompts)")
-    print("\n".join(lines))

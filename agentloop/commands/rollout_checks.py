@@ -1,8 +1,9 @@
 """What `agentloop rollout` checks before any engine starts, so a run never fails minutes into the
-engines' start-up for a typo: the tool config builds (file:line of the problem), and the output
-folder can really be written (a temporary file is made and removed there). The settings file and the
-data set are checked where they are read (`load_config`, `load_dataset`); every problem found here is
-reported at once, and the command exits 2.
+engines' start-up for a typo: the embedded engine's model folder is a model (`model_problem`), the
+output folder holds no earlier run unless `--overwrite` (`previous_run`), the tool config builds
+(file:line of the problem), and the output folder can really be written (a temporary file is made
+and removed there). The settings file and the data set are checked where they are read
+(`load_config`, `load_dataset`); every problem found here is reported, and the command exits 2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from ..rollout_config import RolloutConfig
 
-__all__ = ["out_folder_problem", "preflight"]
+__all__ = ["model_problem", "out_folder_problem", "preflight", "previous_run"]
 
 
 def out_folder_problem(out: Path) -> str | None:
@@ -47,3 +48,31 @@ def preflight(cfg: RolloutConfig) -> list[str]:
     if problem is not None:
         problems.append(problem)
     return problems
+
+
+def model_problem(cfg: RolloutConfig) -> str | None:
+    """Why the embedded engine's model folder cannot be served (a bad setting, exit 2), or None.
+    Not checked for a Ray cluster given by address: the folder need only exist on its nodes."""
+    eng = cfg.runtime.engine
+    if eng.model is None or eng.urls or eng.launch is not None or cfg.runtime.ray.address:
+        return None
+    model = Path(eng.model)
+    if not model.is_dir():
+        return f"--model {model} (runtime.engine.model): no such folder"
+    if not (model / "config.json").is_file():
+        return f"--model {model} (runtime.engine.model): no config.json in it (a Hugging Face model folder is needed)"
+    return None
+
+
+def previous_run(out: Path) -> str | None:
+    """Why `out` may not be written without --overwrite (it holds files), or None."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    held = sorted(p.name for p in out.iterdir())
+    if not held:
+        return None
+    shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    return (f"output folder {out} is not empty ({shown}); pass --overwrite to replace its run's files "
+            f"(config: overwrite: true), or give another --out")

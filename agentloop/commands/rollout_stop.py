@@ -32,7 +32,7 @@ class _Progress(Protocol):
 
 
 class StoppableRun(Protocol):
-    """What stopping needs of a run (the command's `_CommandRun` state)."""
+    """What stopping needs of a run (the command's `CommandRun` state, `rollout_state`)."""
 
     interrupted: bool
     in_step: bool
