@@ -139,7 +139,7 @@ def plot_timeline(steps: Sequence[StepTimeline], path: str | Path, *, dpi: int =
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from .output import atomic_write
+    from .atomic_file import atomic_write
 
     if not steps:
         raise ValueError("plot_timeline needs at least one step")
