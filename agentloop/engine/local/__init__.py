@@ -4,9 +4,10 @@ Modules, one job each: `model_runner` (forward passes), `kv_cache` (the decode b
 cache), `sampling` (params validation, sampler, logprob convention), `request` (one request's
 state), `scheduler` (continuous batching worker thread, pause/abort/retract), `memory`
 (release/resume with SGLang's semantics, its crashes reported), `weights` (updates from disk or
-safetensors payloads), `engine` (async facade, model-update lock), `limits` (what one request may
-ask), `http_common` (bodies, SGLang's error shapes), `generate_api` (`/generate`), `server` (the
-other endpoints + `agentloop serve`), `process` (`LocalEngineProcess`: the server as a subprocess).
+safetensors payloads), `engine` (async facade), `admission` (one request's fields checked with
+SGLang's rules), `update_lock` (the model-update lock), `limits` (what one request may ask),
+`http_common` (bodies, SGLang's error shapes), `generate_api` (`/generate`), `server` (the other
+endpoints + `agentloop serve`), `process` (`LocalEngineProcess`: the server as a subprocess).
 
 The inference core (`scheduler`, `model_runner`, `kv_cache`: ~560 lines) is of the order of
 nano-vllm's `llm_engine` + `scheduler` + `model_runner` (a few hundred); the rest, over three times

@@ -1,13 +1,13 @@
 """`LocalEngine`: the CPU reference engine behind the HTTP server, as async operations.
 
-It wires the pieces (model runner, memory manager, scheduler) together, validates requests into
-`Request` objects, and runs every state change on the scheduler's worker thread via
+It wires the pieces (model runner, memory manager, scheduler) together, has requests validated into
+`Request` objects (`admission`), and runs every state change on the scheduler's worker thread via
 `Scheduler.call`, awaiting the result from the event loop, so the aiohttp loop never blocks on a
 forward pass. Slow preparation that touches no engine state (reading safetensors from disk,
 base64-decoding tensor payloads) runs in a helper thread first. Errors meant for the client are
 `EngineInputError` (HTTP 4xx/503 with a message); the server maps them. Length rules and weight
 updates follow SGLang: prompt + explicit max_new_tokens beyond the context is refused (no silent
-clipping), and an update waits for the generates in flight (`ModelUpdateLock`, below).
+clipping), and an update waits for the generates in flight (`update_lock.ModelUpdateLock`).
 """
 
 from __future__ import annotations
@@ -15,85 +15,29 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import uuid
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import weights as weight_io
+from .admission import EngineInputError, build_request
 from .memory import MemoryManager, MemoryTagError, normalize_tags
 from .model_runner import ModelRunner
 from .request import Notifier, Request
-from .sampling import NO_LIMIT, RequestSampling, SamplingParamsError
 from .scheduler import PAUSE_MODES, Scheduler
+from .update_lock import ModelUpdateLock
+
+# Re-exported: the HTTP modules and tests import these from here.
+__all__ = ["EngineInputError", "LocalEngine", "ModelUpdateLock"]
 
 
 log = logging.getLogger(__name__)
 
 
-class EngineInputError(ValueError):
-    """A request the engine refuses; `status` is the HTTP status the server answers with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class ModelUpdateLock:
-    """SGLang's `model_update_lock` (an asyncio readers-writer lock). Every generate holds a reader
-    share for its whole life; a weight update takes the writer side, so it waits until the generates
-    in flight have finished, and generates arriving while an update waits queue behind it (writer
-    preference, like sglang's `utils/aio_rwlock.RWLock`): no request ever mixes two weight versions.
-    As in SGLang's tokenizer manager, an update sent while generation is paused skips the lock (the
-    caller paused on purpose) and `abort_all_requests` aborts the generates first."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers = 0
-        self._writer_active = False
-        self._waiting_writers = 0
-
-    @property
-    def readers(self) -> int:
-        return self._readers
-
-    @asynccontextmanager
-    async def reader(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer_active and self._waiting_writers == 0)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
-
-    @asynccontextmanager
-    async def writer(self) -> AsyncIterator[None]:
-        async with self._cond:
-            self._waiting_writers += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writer_active and self._readers == 0)
-            except BaseException:  # cancelled while waiting: readers queued behind us may go now
-                self._waiting_writers -= 1
-                self._cond.notify_all()
-                raise
-            self._waiting_writers -= 1
-            self._writer_active = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writer_active = False
-                self._cond.notify_all()
-
-
 class LocalEngine:
+    """The CPU engine's operations (generate, abort, pause, flush, memory, weights, stats) as coroutines."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -147,92 +91,16 @@ class LocalEngine:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     # ---- generation ------------------------------------------------------------------------
-    def new_request(
-        self,
-        input_ids: Any,
-        sampling_params: Any,
-        *,
-        rid: str | None = None,
-        return_logprob: bool | None = False,
-        logprob_start_len: int | None = -1,
-        top_logprobs_num: int | None = 0,
-        where: str = "input_ids",
-    ) -> Request:
-        """Validate one request's fields; raise EngineInputError naming the bad one."""
-        if not isinstance(input_ids, list) or not input_ids:
-            raise EngineInputError(f"{where} must be a non-empty list of token ids")
-        for i, t in enumerate(input_ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise EngineInputError(f"{where}[{i}]={t!r} is not an integer token id")
-            if not 0 <= t < self.vocab_size:
-                raise EngineInputError(f"{where}[{i}]={t} is out of vocabulary (vocab_size {self.vocab_size})")
-        try:
-            sampling = RequestSampling.from_json(sampling_params, vocab_size=self.vocab_size)
-        except SamplingParamsError as e:
-            raise EngineInputError(str(e)) from None
-        max_new_tokens = self._check_context(len(input_ids), sampling)
-        if rid is not None and not isinstance(rid, str):
-            raise EngineInputError(f"rid must be a string, got {rid!r}")
-        if return_logprob is None:
-            return_logprob = False
-        if not isinstance(return_logprob, bool):
-            raise EngineInputError(f"return_logprob must be a boolean, got {return_logprob!r}")
-        # SGLang: null means -1 (io_struct), and the start is ignored without return_logprob
-        # (scheduler.handle_generate_request); only a start past the input is refused.
-        if logprob_start_len is None or not return_logprob:
-            logprob_start_len = -1
-        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-            raise EngineInputError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
-        if logprob_start_len > len(input_ids):
-            raise EngineInputError(
-                f"req.logprob_start_len={logprob_start_len} is higher than the number of input tokens "
-                f"len(req.origin_input_ids)={len(input_ids)}. Please use a smaller logprob_start_len."
-            )
-        if top_logprobs_num is None:
-            top_logprobs_num = 0
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
-            raise EngineInputError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
-        seed = sampling.sampling_seed
-        if seed is None:
-            seed = self.seed * 1_000_003 + next(self._counter)
-        gen = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        return Request(
-            rid=rid or uuid.uuid4().hex,
-            input_ids=list(input_ids),
-            sampling=sampling,
-            generator=gen,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            max_new_tokens=max_new_tokens,
-        )
+    def new_request(self, input_ids: Any, sampling_params: Any, **fields: Any) -> Request:
+        """Validate one request against this engine (vocabulary, context length) and make it a `Request`;
+        `fields` are `admission.build_request`'s (rid, return_logprob, logprob_start_len,
+        top_logprobs_num, where). Raises EngineInputError naming the bad field."""
+        return build_request(input_ids, sampling_params, vocab_size=self.vocab_size,
+                             context_length=self.context_length, default_seed=self._next_seed, **fields)
 
-    def _check_context(self, n_input: int, sampling: RequestSampling) -> int:
-        """SGLang's length rules; returns the max_new_tokens the request really gets.
-
-        `TokenizerManager._validate_one_request` refuses an input of >= context_length tokens and an
-        explicit max_new_tokens that does not fit beside the input (same messages; the default 128
-        of an absent key is not checked, only capped); the scheduler's
-        `init_req_max_new_tokens` then caps max_new_tokens (null = 1 << 30) at
-        max_req_len - input - 1 with max_req_len = context_length - 1, and lowers min_new_tokens to it.
-        """
-        ctx = self.context_length
-        if n_input >= ctx:
-            raise EngineInputError(
-                f"The input ({n_input} tokens) is longer than the model's context length ({ctx} tokens)."
-            )
-        requested = sampling.max_new_tokens
-        if sampling.max_new_tokens_explicit and requested is not None and requested + n_input > ctx:
-            raise EngineInputError(
-                "Requested token count exceeds the model's maximum context length "
-                f"of {ctx} tokens. You requested a total of {requested + n_input} "
-                f"tokens: {n_input} tokens from the input messages and "
-                f"{requested} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit."
-            )
-        capped = max(0, min(NO_LIMIT if requested is None else requested, (ctx - 1) - n_input - 1))
-        sampling.min_new_tokens = min(sampling.min_new_tokens, capped)
-        return capped
+    def _next_seed(self) -> int:
+        """The seed of a request that brings none: distinct per request, reproducible per engine seed."""
+        return self.seed * 1_000_003 + next(self._counter)
 
     async def submit(self, req: Request, notifier: Notifier) -> None:
         """Queue `req`; `notifier` is called from the worker thread on every update."""

@@ -13,7 +13,7 @@ Follows sglang 0.5.17 (`managers/io_struct.GenerateReqInput`, `tokenizer_manager
 - errors: validation errors are 400 `{"error": {"message"}}`; with `stream: true` SGLang has already
   answered 200, so they (and failures mid-stream) arrive as `data: {"error": {message, type, code,
   retryable}}` followed by `data: [DONE]`.
-Every generate holds a share of the engine's model-update lock for its whole life (`engine.ModelUpdateLock`).
+Every generate holds a share of the engine's model-update lock for its whole life (`update_lock.ModelUpdateLock`).
 """
 
 from __future__ import annotations
