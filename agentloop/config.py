@@ -142,11 +142,11 @@ class SchedulerConfig(_Strict):
     per_server_concurrency: int | None = Field(
         None, ge=1, description="Most generate requests in flight on one server (None: no per-server limit)."
     )
-    slot_order: Literal["depth_first", "fifo"] = Field(
-        "depth_first",
-        description="With per_server_concurrency, who gets a freed request slot first: depth_first = the trajectory "
-        "with the most model turns behind it (then the oldest), so started trajectories finish instead of all "
-        "advancing in lockstep into one long tail; fifo = arrival order.",
+    slot_order: Literal["fifo", "depth_first"] = Field(
+        "fifo",
+        description="With per_server_concurrency, who gets a freed request slot first: fifo = arrival order; "
+        "depth_first = the trajectory with the most model turns behind it (then the oldest). Measured on an H200 "
+        "at 256 slots: depth_first 0.94x fifo's throughput.",
     )
     n: int = Field(1, ge=1, description="Trajectories per prompt (a GRPO group shares the prompt's `group_id`).")
     trajectory_timeout: float | None = Field(

@@ -17,8 +17,10 @@ ways against the same engine, in one process, for each (tool-latency mean, concu
 - **multiturn_raw**: the smallest correct multi-turn client — one task per trajectory, turn, tool
   sleep, next turn, at most c requests in flight (FIFO) — with none of agentloop's machinery: what
   agentloop's own overhead is measured against;
-- **agentloop_fifo** (only with `--modes`): agentloop with `scheduler.slot_order: fifo` instead of the
-  default `depth_first`, to show what the slot order buys.
+- **agentloop_depth_first** (only with `--modes`): agentloop with `scheduler.slot_order: depth_first`
+  instead of the default `fifo` (a trajectory back from its tool goes before fresh first turns).
+  (`agentloop_fifo`, the name of the other order's mode in the H200 sweep of 2026-12-03, when
+  depth_first was briefly the default, is accepted too.)
 
 The ceiling ignores that turn t+1 of a trajectory can only start after turn t and its tool: no
 multi-turn client can reach it when one trajectory's chain is longer than the whole batch takes. Each
@@ -80,7 +82,7 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 MODES = ("ceiling", "agentloop", "turn_sync", "multiturn_raw")
-ALL_MODES = MODES + ("agentloop_fifo",)
+ALL_MODES = MODES + ("agentloop_depth_first", "agentloop_fifo")
 
 
 def _params(n: int) -> SamplingParams:
@@ -229,7 +231,8 @@ async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, A
     samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
                       extra={"replay": {"prompt_tokens": prompt, "turns": turns}})
                for i, turns in enumerate(work)]
-    order = "fifo" if mode == "agentloop_fifo" else "depth_first"
+    # "agentloop" runs the configured default (fifo); agentloop_fifo is the 2026-12-03 sweep's explicit name for it
+    order = "depth_first" if mode == "agentloop_depth_first" else "fifo"
     with BusySampler(engine) as bs:
         res = await rt.step(samples, weights, concurrency=conc, slot_order=order)
     bad = [t for t in res.trajectories if t.status != "completed"]
@@ -317,7 +320,7 @@ def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[d
         point[mode] = m
     # Paired: each repeat runs the modes back to back, so a ratio within a repeat sees one background load;
     # the median of those is the headline (robust to load drifting between repeats on a shared machine).
-    for other in (m for m in ("ceiling", "turn_sync", "multiturn_raw", "agentloop_fifo") if m in runs):
+    for other in (m for m in ("ceiling", "turn_sync", "multiturn_raw", "agentloop_depth_first", "agentloop_fifo") if m in runs):
         paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["agentloop"], runs[other])]
         point[f"agentloop_over_{other}"] = r4(median(paired))
         point[f"agentloop_over_{other}_per_repeat"] = [r4(x) for x in paired]
@@ -344,7 +347,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(lats), figsize=(5.2 * len(lats), 4.2), squeeze=False)
     styles = {"ceiling": ("k--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
               "turn_sync": ("s-", "turn-synchronous"), "multiturn_raw": ("^:", "bare multi-turn client"),
-              "agentloop_fifo": ("x-.", "agentloop, FIFO slots")}
+              "agentloop_depth_first": ("x-.", "agentloop, depth-first slots")}
     for ax, lat in zip(axes[0], lats):
         pts = sorted((p for p in report["points"] if p["tool_latency_mean_s"] == lat), key=lambda p: p["concurrency"])
         xs = [p["concurrency"] for p in pts]
@@ -406,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                      "tools, then turn t+1",
         "multiturn_raw": "one task per trajectory (turn, tool sleep, next turn), at most `concurrency` requests in "
                          "flight (FIFO), through the same Lifecycle.generate: a bare correct multi-turn client",
-        "agentloop_fifo": "agentloop with scheduler.slot_order=fifo (default depth_first)",
+        "agentloop_depth_first": "agentloop with scheduler.slot_order=depth_first (default fifo)",
         "critical_path_s": "the longest trajectory's chain: its turns' on-server seconds in the ceiling run plus its "
                            "tool latencies; no client respecting turn order finishes sooner at that per-request speed",
         "dependency_ceiling_tokens_per_s": "generated tokens / max(ceiling wall, critical_path_s)",

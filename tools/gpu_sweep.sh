@@ -10,7 +10,7 @@
 #                         buckets of 256 MB / 1 GB, SGLang's flattened_bucket; GB/s; per-request cost)
 #   3. throughput points  benchmarks/rollout_throughput.py, one process per (concurrency, mean tool latency)
 #                         point of SWEEP_POINTS (default below: the c=256 / 0.5 s operating point first);
-#                         a point may name its modes: "256:0.5:ceiling,agentloop,agentloop_fifo" (default
+#                         a point may name its modes: "256:0.5:ceiling,agentloop,agentloop_depth_first" (default
 #                         SWEEP_MODES: ceiling agentloop turn_sync multiturn_raw),
 #                         1024 trajectories x 3 turns, heavy-tailed turn lengths, lognormal tool latency
 #                         (sigma 1); ceiling, agentloop and turn-sync each; client CPU-seconds per 1k tokens;
