@@ -59,3 +59,10 @@ async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engi
     assert len(diffs) == sum(len(r[3]) for step in first for r in step) and max(diffs) < 1e-4
     other, _ = await _two_steps(local_engine, seed=2)
     assert [r[2] for r in other[0]] != [r[2] for r in first[0]]
+
+
+def test_unseeded_turns_send_no_sampling_seed_field() -> None:
+    from agentloop.agents.base import AgentConfig
+
+    assert "sampling_seed" not in AgentConfig().sampling.to_json()  # not even an explicit null
+    assert AgentConfig(seed=7).sampling.to_json()["sampling_seed"] == 7

@@ -133,9 +133,10 @@ class AgentConfig(BaseModel):
     @property
     def sampling(self) -> SamplingParams:
         """The sampling parameters of one model turn (`max_new_tokens` = `max_new_tokens_per_turn`)."""
+        seed = {} if self.seed is None else {"sampling_seed": self.seed}  # unseeded: no field (not an explicit null)
         return SamplingParams.from_mapping({
             "max_new_tokens": self.max_new_tokens_per_turn, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "sampling_seed": self.seed, **self.sampling_extra})
+            "top_k": self.top_k, "min_p": self.min_p, **seed, **self.sampling_extra})
 
 
 def sample_seed(seed: int, uid: str, index: int, turn: int = 0) -> int:
