@@ -7,12 +7,13 @@
   with the remedy), never crashing it;
 - one of two servers killed, restarted or SIGSTOPped between steps and mid-step: the steps complete
   on the other one, no trajectory is lost, and the restarted server is re-admitted with the step's weights.
-Every case runs 2+ steps. The `replay` agent drives a tiny random model.
+Every case runs 2+ steps. The `replay` agent drives a tiny random model. The servers come from the
+module's `EnginePool`: a server an earlier test left in any state a fresh one would not be in is
+replaced, so each test starts from fresh servers without paying a start for every one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, Iterator
 
 import anyio
 import pytest
@@ -33,6 +34,7 @@ from agentloop.engine.sglang import SGLangClient
 from agentloop.models.random_model import make_random_model
 from agentloop.runtime import Runtime
 from agentloop.types import Sample
+from engine_pool import EnginePool, greedy_tokens
 
 pytestmark = pytest.mark.anyio
 ALL_TAGS = ["cuda_graph", "kv_cache", "weights"]
@@ -46,6 +48,13 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("faults") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def pool(model_dir: Path) -> Iterator[EnginePool]:
+    engines = EnginePool(model_dir)
+    yield engines
+    engines.close_sync()
 
 
 def samples(n: int, prefix: str, turns: int = 2, gen: int = 8, latency: float = 0.02) -> list[Sample]:
@@ -67,11 +76,6 @@ async def server_state(url: str) -> dict[str, Any]:
         return {"released": info["internal_states"][0]["released_tags"], "version": (await c.model_info())["weight_version"]}
 
 
-async def greedy_tokens(url: str) -> list[int]:
-    async with SGLangClient(url) as c:
-        return (await c.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=6, temperature=0.0))).output_ids
-
-
 async def two_steps(rt: Runtime, prefix: str) -> list[list[int]]:
     out = []
     for step in range(2):
@@ -82,8 +86,8 @@ async def two_steps(rt: Runtime, prefix: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
-async def test_three_runtimes_in_sequence_leave_the_server_as_they_found_it(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_three_runtimes_in_sequence_leave_the_server_as_they_found_it(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         fresh = await greedy_tokens(proc.url)
         runs = []
         for _ in range(3):
@@ -159,8 +163,8 @@ KILL_POINTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("method, nth, when", KILL_POINTS, ids=[f"{m}-{n}-{w}" for m, n, w in KILL_POINTS])
 async def test_a_runtime_sigkilled_at_any_lifecycle_call_leaves_a_server_the_next_run_recovers(
-        model_dir: Path, method: str, nth: int, when: str) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+        model_dir: Path, pool: EnginePool, method: str, nth: int, when: str) -> None:
+    async with pool.servers(1) as (proc,):
         fresh = await greedy_tokens(proc.url)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
         done = await anyio.to_thread.run_sync(lambda: subprocess.run(
@@ -185,10 +189,10 @@ class NoReportClient(SGLangClient):
         return info
 
 
-async def test_a_call_whose_effect_cannot_be_known_is_refused_with_the_remedy(model_dir: Path) -> None:
+async def test_a_call_whose_effect_cannot_be_known_is_refused_with_the_remedy(model_dir: Path, pool: EnginePool) -> None:
     """A runtime killed while its release was on the wire leaves "pending" in the server's mark; a
     server that cannot report its tags (SGLang) is refused, naming the setting; told, the run works."""
-    async with LocalEngineProcess(model_dir) as proc:
+    async with pool.servers(1) as (proc,):
         async with SGLangClient(proc.url) as c:
             await c.release_memory_occupation(None)
             await c.update_weight_version(MemoryMark("default", frozenset(), "release:" + ",".join(ALL_TAGS)).encode())
@@ -207,59 +211,13 @@ async def test_a_call_whose_effect_cannot_be_known_is_refused_with_the_remedy(mo
 
 
 # ---------------------------------------------------------------------- one of two servers fails
-@contextlib.asynccontextmanager
-async def two_servers(model_dir: Path) -> AsyncIterator[list[LocalEngineProcess]]:
-    """Two CPU servers; the list may grow (restarts); every one is continued and stopped at the end."""
-    procs = [LocalEngineProcess(model_dir), LocalEngineProcess(model_dir)]
-    try:
-        async with anyio.create_task_group() as tg:
-            for p in procs:
-                tg.start_soon(p.start)
-        yield procs
-    finally:
-        with anyio.CancelScope(shield=True):
-            for p in procs:
-                if p.returncode is None and p._proc is not None:
-                    os.kill(p._proc.pid, signal.SIGCONT)
-                await p.stop()
-
-
 def servers_of(res: Any) -> set[str]:
     return {u for t in res.trajectories for u in t.extra.get("servers", [])}
 
 
 @pytest.mark.slow
-async def test_killed_then_restarted_between_steps_is_taken_out_then_readmitted(
-        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="agentloop")
-    async with two_servers(model_dir) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
-        a, b = procs
-        res1 = await rt.step(samples(8, "a"))
-        assert servers_of(res1) == {a.url, b.url}
-        caplog.clear()
-        os.kill(b._proc.pid, signal.SIGKILL)
-        await anyio.to_thread.run_sync(b._proc.wait)
-        res2 = await rt.step(samples(8, "b"))  # the probe takes b out; the step runs on a
-        assert [t.status for t in res2.trajectories] == ["completed"] * 8
-        assert servers_of(res2) == {a.url} and "liveness probe" in res2.metrics["servers_removed"][b.url]
-        assert list(res2.metrics["servers_out_of_rotation"]) == [b.url]
-        await rt.step(samples(8, "b2"))  # still dead: still out, and said once, not per step or request
-        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and b.url in r.getMessage()]
-        # the lifecycle's "out of rotation" and the client's "unreachable": each once, whatever the requests
-        assert len([m for m in lines if "out of rotation" in m]) == 1 and len(lines) <= 2, lines
-        restarted = LocalEngineProcess(model_dir, port=b.port)
-        procs.append(restarted)
-        await restarted.start()  # fresh: awake with its base weights
-        res3 = await rt.step(samples(8, "c"), weights=str(model_dir))  # re-admitted, gets the step's weights
-        assert res3.metrics["servers_readmitted"] == [b.url] and res3.metrics["servers_out_of_rotation"] == {}
-        assert [t.status for t in res3.trajectories] == ["completed"] * 8 and servers_of(res3) == {a.url, b.url}
-        assert {t.weight_version for t in res3.trajectories} == {res3.weight_version}
-        assert rt.lifecycle.generations_outside_awake == 0
-
-
-@pytest.mark.slow
-async def test_stopped_between_steps_is_taken_out_and_readmitted_when_it_continues(model_dir: Path) -> None:
-    async with two_servers(model_dir) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
+async def test_stopped_between_steps_is_taken_out_and_readmitted_when_it_continues(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(2) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
         a, b = procs
         await rt.step(samples(4, "a"))
         os.kill(b._proc.pid, signal.SIGSTOP)
@@ -276,8 +234,8 @@ async def test_stopped_between_steps_is_taken_out_and_readmitted_when_it_continu
 
 
 @pytest.mark.slow
-async def test_hung_mid_step_fails_over_within_the_watchdog_not_the_timeouts(model_dir: Path) -> None:
-    async with two_servers(model_dir) as procs, \
+async def test_hung_mid_step_fails_over_within_the_watchdog_not_the_timeouts(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(2) as procs, \
             Runtime(config([p.url for p in procs], model_dir, hung_timeout=6.0)) as rt:
         a, b = procs
         box: dict[str, Any] = {}
@@ -305,8 +263,37 @@ async def test_hung_mid_step_fails_over_within_the_watchdog_not_the_timeouts(mod
 
 
 @pytest.mark.slow
-async def test_every_server_gone_fails_the_step_naming_each_and_why(model_dir: Path) -> None:
-    async with two_servers(model_dir) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
+async def test_killed_then_restarted_between_steps_is_taken_out_then_readmitted(
+        model_dir: Path, pool: EnginePool, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="agentloop")
+    async with pool.servers(2) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
+        a, b = procs
+        res1 = await rt.step(samples(8, "a"))
+        assert servers_of(res1) == {a.url, b.url}
+        caplog.clear()
+        os.kill(b._proc.pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(b._proc.wait)
+        res2 = await rt.step(samples(8, "b"))  # the probe takes b out; the step runs on a
+        assert [t.status for t in res2.trajectories] == ["completed"] * 8
+        assert servers_of(res2) == {a.url} and "liveness probe" in res2.metrics["servers_removed"][b.url]
+        assert list(res2.metrics["servers_out_of_rotation"]) == [b.url]
+        await rt.step(samples(8, "b2"))  # still dead: still out, and said once, not per step or request
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and b.url in r.getMessage()]
+        # the lifecycle's "out of rotation" and the client's "unreachable": each once, whatever the requests
+        assert len([m for m in lines if "out of rotation" in m]) == 1 and len(lines) <= 2, lines
+        restarted = LocalEngineProcess(model_dir, port=b.port)
+        procs.append(restarted)  # the pool stops it with the others
+        await restarted.start()  # fresh: awake with its base weights
+        res3 = await rt.step(samples(8, "c"), weights=str(model_dir))  # re-admitted, gets the step's weights
+        assert res3.metrics["servers_readmitted"] == [b.url] and res3.metrics["servers_out_of_rotation"] == {}
+        assert [t.status for t in res3.trajectories] == ["completed"] * 8 and servers_of(res3) == {a.url, b.url}
+        assert {t.weight_version for t in res3.trajectories} == {res3.weight_version}
+        assert rt.lifecycle.generations_outside_awake == 0
+
+
+@pytest.mark.slow
+async def test_every_server_gone_fails_the_step_naming_each_and_why(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(2) as procs, Runtime(config([p.url for p in procs], model_dir)) as rt:
         await rt.step(samples(2, "a"))
         for p in procs:
             await p.stop()
