@@ -92,6 +92,18 @@ class EngineConfig(_Strict):
         "asleep (every tag released) or the list of released tags: say it yourself, for a server whose state is "
         "unknown (a runtime killed during a release or resume call leaves that; the next run names the value to set).",
     )
+    takeover: bool = Field(
+        False,
+        description="Attach even to servers another runtime drives now (its lease, recorded in each server's weight "
+        "version, names it). Only for a runtime you know is dead on another machine: a dead one on this machine is "
+        "taken over without it, and one elsewhere once its lease expires (engine.lease_timeout).",
+    )
+    lease_timeout: float = Field(
+        600.0, gt=0,
+        description="Seconds this runtime's lease on its servers lasts unless renewed (it is renewed at every "
+        "wake-up and sleep). Another runtime on this machine checks the owner's process instead; one on another "
+        "machine waits for the lease to expire before it takes the server over.",
+    )
     restore_on_stop: bool = Field(
         True,
         description="When the runtime stops, leave servers attached by URL as they were before any runtime touched them: "

@@ -149,6 +149,8 @@ class Runtime(SyncFacade):
                 stage_timeout=ecfg.stage_timeout,
                 liveness_timeout=ecfg.liveness_timeout,
                 attach_state=ecfg.attach_state,
+                takeover=ecfg.takeover,
+                lease_timeout=ecfg.lease_timeout,
             )
             await self.lifecycle.attach()  # each server's real memory state, before any lifecycle call
             await self.lifecycle.sleep()
@@ -205,6 +207,8 @@ class Runtime(SyncFacade):
                 await (lc.restore() if self.config.engine.restore_on_stop else lc.park())
             except Exception as e:  # say it, and stop anyway: the servers' marks say what state they are in
                 log.error("could not leave the engine servers as they were found: %s", e)
+        if lc is not None:
+            lc.close()  # its lease, wherever left, is a dead owner's from now on
         for c in self.clients:
             with contextlib.suppress(Exception):
                 await c.close()

@@ -15,7 +15,7 @@ import pytest
 
 from agentloop.engine.base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
 from agentloop.engine.lifecycle import EngineState, Lifecycle, LifecycleError, Weights
-from agentloop.engine.lifecycle_types import MemoryMark
+from agentloop.engine.lifecycle_types import MemoryMark, served_version
 
 pytestmark = pytest.mark.anyio
 
@@ -23,6 +23,13 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def short_lease_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process engines, one lifecycle at a time: the wait that excludes a second runtime attaching
+    at the same moment (tests/test_engine_owner.py) only adds time here."""
+    monkeypatch.setattr(Lifecycle, "acquire_settle", 0.02)
 
 
 class RecordingEngine:
@@ -301,7 +308,7 @@ async def test_same_path_is_one_wake_up_each_step() -> None:
     eng.calls.clear()
     await lc.wake_up("/ckpt/step")
     assert await lc.wake_up(Weights(path="/ckpt/step", version="hot")) == "hot"
-    assert eng.ops().count("update_disk") == 2 and eng.weight_version == "hot"
+    assert eng.ops().count("update_disk") == 2 and served_version(eng.weight_version) == "hot"
     await lc.sleep()
 
 
@@ -314,7 +321,7 @@ async def test_different_state_dict_while_awake_is_loaded_in_place() -> None:
         eng.calls.clear()
         v1 = await lc.wake_up(first)
         v2 = await lc.wake_up(second)
-        assert v1 != v2 and lc.weight_version == v2 and eng.weight_version == v2
+        assert v1 != v2 and lc.weight_version == v2 and served_version(eng.weight_version) == v2
         assert eng.ops() == ["resume", "update_tensor", "resume", "update_tensor"]  # no extra resume
         assert await lc.wake_up(second) == v2  # and that one is now the served one
         assert (await lc.generate(eng.url, [1], P)).weight_version == v2
@@ -524,7 +531,8 @@ async def test_attach_reads_the_state_the_last_lifecycle_recorded_in_the_server(
     lc = Lifecycle([eng])
     await lc.attach()  # a fresh server: awake
     await lc.sleep()
-    assert MemoryMark.decode(eng.weight_version) == MemoryMark("default", frozenset(eng.released))
+    assert MemoryMark.decode(eng.weight_version) == MemoryMark("default", frozenset(eng.released), lease=lc.lease)
+    lc.close()  # its runtime ended without restoring the server
     lc2 = Lifecycle([eng])  # another runtime attaches to the asleep server: releases nothing twice
     await lc2.attach()
     assert lc2.state is EngineState.SLEEPING
@@ -583,6 +591,7 @@ async def test_a_lifecycle_killed_at_any_call_leaves_a_server_the_next_one_recov
     except BaseException as e:  # Killed, possibly inside a task group's exception group
         if not _is_killed(e):
             raise
+    lc.close()  # its process is gone: so is its lease
     eng.kill_at = None
     nxt = Lifecycle([eng])
     try:

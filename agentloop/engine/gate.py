@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 import anyio
 
 from .base import EngineClient, EngineError, EngineUnavailable, GenerateOutput, SamplingParams
-from .lifecycle_types import EngineState
+from .lifecycle_types import EngineState, served_version
 
 __all__ = ["Gate", "GateControl"]
 
@@ -227,6 +227,7 @@ class Gate:
             with scope:
                 out = await m.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
                 m.progress = self.clock()
+                out.weight_version = served_version(out.weight_version)  # the lifecycle's mark is not a version
                 return out
             # only reached when `take_out` cancelled the scope: the router retries on another server
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)

@@ -51,9 +51,29 @@ allocation that is not active") and on a resume of resident memory (KeyError in 
    (a `/health` monitor, the next run) never meet released memory — unless a runtime had parked it
    (`park()`, `engine.restore_on_stop: false`: asleep on purpose), which stays parked. A server found
    asleep or half-awake without that is the leftover of a runtime that died, and is woken.
-So any number of runtimes in sequence can attach to one server, and a runtime SIGKILLed at any stage
+5. **One runtime at a time: owner leases.** From `attach()` until it lets the servers go (`restore` /
+   `park`, or `close`), every mark this lifecycle writes — awake or asleep — carries its `Lease`
+   (`agentloop.engine.lease`: owner `HOST:PID:NONCE`, the machine's boot/PID-namespace id, the
+   owner process's start time, an expiry renewed at every wake-up and sleep, `lease_timeout`
+   ahead). A runtime attaching to a server whose lease another *live* owner holds is refused with a
+   `LifecycleError` naming the owner and `engine.takeover` (mid-step, its start-up sleep would abort
+   the owner's requests and release memory under it, and the owner's next release would crash
+   SGLang). Live means: on the same machine, the owner's process exists with the recorded start
+   time (and, in this very process, its `Lifecycle` is not closed) — so a SIGKILLed owner is taken
+   over at once; on another machine, the lease has not expired. `engine.takeover` (`takeover=True`)
+   takes the server anyway. Two runtimes attaching at the same moment cannot both win: each writes
+   its lease, waits `acquire_settle`, and reads it back (Fischer's mutual exclusion; SGLang has no
+   compare-and-set). The owner checks its lease in every liveness probe: a server whose mark names
+   someone else is taken out of its rotation at once, before any memory call, and never touched
+   again while that owner lives (so a takeover never causes a double release); a server whose mark
+   lost every lease (restarted, or let go) is re-admitted at the next wake-up in its real state.
+   Generate responses carry the server's whole weight version, so the gate strips the mark
+   (`served_version`): trajectories record the plain version. Servers that keep no mark (no
+   `/update_weight_version`) get no lease, and are not protected.
+So any number of runtimes in sequence can attach to one server, a runtime SIGKILLed at any stage
 leaves a mark from which the next run either recovers (every stage boundary) or refuses with the
-exact remedy (killed during the one memory call in flight).
+exact remedy (killed during the one memory call in flight), and a runtime attaching while another
+drives the server is refused instead of breaking it.
 """
 
 from __future__ import annotations
@@ -69,6 +89,7 @@ import anyio
 
 from .base import MEMORY_TAGS, EngineClient, EngineError, GenerateOutput, SamplingParams
 from .gate import Gate, GateControl
+from .lease import Lease, new_lease, owner_status, register, unregister
 from .lifecycle_types import (
     SLEEP_STAGES,
     EngineState,
@@ -104,6 +125,10 @@ class _Server:
     mark: str | None = None
     #: what the first attach found (restored by `restore`)
     found: MemoryMark | None = None
+    #: left asleep on purpose (`park`): recorded in its mark when the lifecycle lets it go
+    parked: bool = False
+    #: the server's mark carries this lifecycle's lease (what the liveness probe checks it still does)
+    leased: bool = False
 
     @property
     def url(self) -> str:
@@ -122,8 +147,14 @@ class Lifecycle:
     when weights were released and no new weights are given (default: each server's
     `model_info()["model_path"]`). `liveness_timeout` bounds the `/model_info` probe before each
     wake-up and sleep. `attach_state` overrides what `attach()` finds ("auto": read each server's
-    mark). `on_generate(url, state)` is the local gate's instrumentation hook.
+    mark). `on_generate(url, state)` is the local gate's instrumentation hook. `takeover` lets
+    `attach()` take servers whose lease a live (or not yet expired) owner holds; `lease_timeout` is
+    how long this lifecycle's own lease lasts unless renewed (see the module docstring).
     """
+
+    #: Seconds between writing a new lease and reading it back (mutual exclusion of two runtimes
+    #: attaching at the same moment: whoever wrote last holds the server, the other is refused).
+    acquire_settle: float = 0.5
 
     def __init__(
         self,
@@ -140,6 +171,8 @@ class Lifecycle:
         liveness_timeout: float = 5.0,
         attach_state: AttachState = "auto",
         on_generate: Callable[[str, EngineState], None] | None = None,
+        takeover: bool = False,
+        lease_timeout: float = 600.0,
     ) -> None:
         if not clients:
             raise ValueError("Lifecycle needs at least one engine client")
@@ -161,6 +194,12 @@ class Lifecycle:
         self.stage_timeout = stage_timeout
         self.liveness_timeout = liveness_timeout
         self.attach_state: AttachState = attach_state if isinstance(attach_state, str) else list(attach_state)
+        self.takeover = takeover
+        self.lease_timeout = lease_timeout
+        #: this lifecycle's claim on its servers, written into their marks until it lets them go
+        self.lease: Lease = new_lease(lease_timeout)
+        self._holding = True
+        register(self.lease, self)
         self._state = EngineState.AWAKE if awake else EngineState.SLEEPING
         if not awake:
             for s in self._servers.values():
@@ -292,15 +331,38 @@ class Lifecycle:
             a = answers[s.url]
             if s.out is None and isinstance(a, BaseException):
                 await self.take_out(s.url, f"failed the liveness probe ({_short(a)})")
-            elif s.out is not None and not isinstance(a, BaseException):
+            elif s.out is None:
+                lost = self._lost(s, a)
+                if lost is None:
+                    await self._mark(s)  # renews the lease when it is half gone
+                    continue
+                await self.take_out(s.url, lost)
+                if readmit:  # held by nobody now (restarted, or let go): ours again, in its real state
+                    await self._readmit(s, a)
+            elif not isinstance(a, BaseException):
                 await self._readmit(s, a)
         if not self._in_rotation():
             raise self._no_server_left("liveness")
 
+    def _lost(self, s: _Server, info: Mapping[str, Any]) -> str | None:
+        """Why `s` is no longer held by this lifecycle (its mark lost our lease), or None if it is."""
+        if not s.leased or "weight_version" not in info:  # (a server that reports none cannot be read back)
+            return None
+        reported = str(info["weight_version"])
+        lease = MemoryMark.decode(reported).lease
+        if lease is not None and lease.owner == self.lease.owner:
+            return None
+        s.leased = False
+        s.mark = reported
+        if lease is not None:
+            return f"taken over by {lease.describe()}"
+        return (f"no longer held by this runtime: its weight version was set to {reported!r} by someone else "
+                "(the server restarted, or another client wrote it)")
+
     async def _readmit(self, s: _Server, info: Mapping[str, Any]) -> None:
         """A server out of rotation answers again: learn its real state, put it to sleep, admit it."""
         try:
-            await self._resolve(s, info, initial=False)
+            await self._acquire(s, info, initial=False)
             await self._sleep_one(s)
         except (LifecycleError, *_PROBE_ERRORS) as e:
             reason = f"answers again but cannot be re-admitted: {e}"
@@ -319,7 +381,7 @@ class Lifecycle:
             try:
                 with anyio.fail_after(self.liveness_timeout):
                     info = await s.client.model_info()
-                await self._resolve(s, info, initial=True)
+                await self._acquire(s, info, initial=True)
             except (LifecycleError, *_PROBE_ERRORS) as e:
                 errors[s.url] = e
 
@@ -340,10 +402,71 @@ class Lifecycle:
         self._sleep_resume_at = None
         await self.gate.close()
 
+    async def _acquire(self, s: _Server, info: Mapping[str, Any], *, initial: bool) -> None:
+        """Take `s` (its state from `info`, a `/model_info` read just now) under this lifecycle's lease.
+
+        Refused while another live owner holds it (`_check_lease`). Two runtimes attaching at the
+        same moment cannot both pass (SGLang has no compare-and-set; this is Fischer's mutual
+        exclusion): each writes its lease right after reading the server free, waits
+        `acquire_settle` (longer than any read-then-write may take: a slower one reads again), and
+        reads the mark back; only the last writer finds its own lease there."""
+        t0 = time.monotonic()
+        await self._resolve(s, info, initial=initial)
+        for attempt in range(3):
+            s.mark = None  # (re)write the mark: our lease
+            await self._mark(s)
+            took = time.monotonic() - t0
+            if not s.marks or took <= self.acquire_settle / 2:
+                break
+            if attempt == 2:
+                log.warning("engine server %s: reading and marking it took %.2fs (> engine lease settle %.2fs / 2): "
+                            "another runtime attaching at this very moment may not be excluded", s.url, took,
+                            self.acquire_settle)
+                break
+            t0 = time.monotonic()  # too slow to exclude anyone: read again before writing again
+            with anyio.fail_after(self.liveness_timeout):
+                self._check_lease(s, MemoryMark.decode(str((await s.client.model_info()).get("weight_version", ""))))
+        if not s.marks or self.acquire_settle <= 0:
+            return
+        await anyio.sleep(max(self.acquire_settle, 2 * took))
+        with anyio.fail_after(self.liveness_timeout):
+            info = await s.client.model_info()
+        if "weight_version" not in info:
+            return
+        reported = str(info["weight_version"])
+        held = MemoryMark.decode(reported).lease
+        if held is None or held.owner != self.lease.owner:
+            s.leased = False
+            raise LifecycleError(
+                "attach", "another runtime attached to this server at the same moment and holds it now ("
+                + (held.describe() if held else f"its weight version was set to {reported!r}") + "); run one at a time",
+                url=s.url)
+
+    def _check_lease(self, s: _Server, mark: MemoryMark) -> None:
+        """Refuse a server another runtime drives now; say so when a dead or expired one is taken over."""
+        lease = mark.lease
+        if lease is None:
+            return
+        status = owner_status(lease, self.lease)
+        if status == "ours":
+            return
+        if status in ("alive", "unknown") and not self.takeover:
+            where = "a live process on this machine" if status == "alive" else "on another machine; its lease has not expired"
+            raise LifecycleError(
+                "attach", f"another runtime drives this server now: {lease.describe()}, {where}. Attaching would put "
+                "the server to sleep under it and release memory it is using (SGLang crashes when that runtime then "
+                "releases it again). Wait for that run to end (it lets the server go when it stops), or stop it; only "
+                "if it is dead (its machine is gone) set engine.takeover: true (agentloop rollout: --set "
+                "runtime.engine.takeover=true). A lease nobody renews lapses after its owner's engine.lease_timeout",
+                url=s.url)
+        why = {"dead": "its process is gone", "expired": "its lease expired"}.get(status, "engine.takeover is set")
+        log.warning("engine server %s: taking it over from %s: %s", s.url, lease.describe(), why)
+
     async def _resolve(self, s: _Server, info: Mapping[str, Any], *, initial: bool) -> None:
         """Set `s.released` to what the server really holds, from its mark (or the configured state)."""
         reported = str(info.get("weight_version", "default"))
         mark = MemoryMark.decode(reported)
+        self._check_lease(s, mark)
         s.mark = reported
         if s.model_path is None and info.get("model_path"):
             s.model_path = str(info["model_path"])
@@ -527,39 +650,63 @@ class Lifecycle:
                 await self._sleep_stage(stage)(s)
 
     async def park(self) -> None:
-        """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`)."""
+        """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`),
+        and let them go (`close`)."""
         async with self._transition_lock:
-            await self._park(self._in_rotation())
+            self._park(self._in_rotation())
+            await self._let_go()
 
-    async def _park(self, servers: Sequence[_Server]) -> None:
+    def _park(self, servers: Sequence[_Server]) -> None:
         if self._state is EngineState.SLEEPING:
             for s in servers:
-                await self._mark(s, parked=True)
+                s.parked = True
+
+    async def _let_go(self) -> None:
+        """Stop holding the servers: their marks lose this lifecycle's lease (a server woken
+        completely reports its plain weight version again), then `close`."""
+        self._holding = False
+        for s in self._in_rotation():
+            if s.leased or s.parked:
+                try:
+                    await self._mark(s)
+                except _PROBE_ERRORS as e:  # unreachable: its lease lapses when this process ends
+                    log.warning("engine server %s: could not clear this runtime's lease (%s)", s.url, _short(e))
+        self.close()
+
+    def close(self) -> None:
+        """This lifecycle drives nothing from now on: its lease, wherever a server still carries it,
+        belongs to a dead owner (another runtime takes the server over at once). `restore` and
+        `park` call it; call it yourself for a lifecycle abandoned without either."""
+        self._holding = False
+        unregister(self.lease)
 
     async def restore(self) -> None:
         """Leave every server in rotation as it was found (see the module docstring): a parked one
         parked; any other awake (resume its weights, reload them from its model path under the version
         it had, resume the rest). Called when a runtime that attached to running servers stops."""
         async with self._transition_lock:
-            await self._park([s for s in self._in_rotation() if s.found is not None and s.found.parked])
+            self._park([s for s in self._in_rotation() if s.found is not None and s.found.parked])
             todo = [s for s in self._in_rotation() if s.found is not None and not s.found.parked and s.released]
-            if not todo or self._state is EngineState.AWAKE:
-                return
-            if self._state is not EngineState.SLEEPING:
-                log.warning("restoring engine servers from %s (the last sleep failed at %r)",
-                            self._state.value, self._sleep_resume_at)
+            if todo and self._state is not EngineState.AWAKE:
+                await self._restore(todo)
+            await self._let_go()
 
-            async def one(s: _Server) -> None:
-                reload = "weights" in s.released
-                await self._resume(s, ["weights"])
-                assert s.found is not None
-                if reload:
-                    await self._reload(s, s.found.version)
-                await self._resume(s, sorted(s.released))
-                await self._mark(s)
+    async def _restore(self, todo: Sequence[_Server]) -> None:
+        if self._state is not EngineState.SLEEPING:
+            log.warning("restoring engine servers from %s (the last sleep failed at %r)",
+                        self._state.value, self._sleep_resume_at)
 
-            await self._stage("restore", "restore", one, servers=todo)
-            log.info("engine servers %s left awake, as found", [s.url for s in todo])
+        async def one(s: _Server) -> None:
+            reload = "weights" in s.released
+            await self._resume(s, ["weights"])
+            assert s.found is not None
+            if reload:
+                await self._reload(s, s.found.version)
+            await self._resume(s, sorted(s.released))
+            await self._mark(s)
+
+        await self._stage("restore", "restore", one, servers=todo)
+        log.info("engine servers %s left awake, as found", [s.url for s in todo])
 
     # ------------------------------------------------------------------ stages
     def _next_version(self, w: Weights) -> str:
@@ -576,8 +723,16 @@ class Lifecycle:
         await self._stage("wake_up", "update_weights", lambda s: self._load(s, w, version))
 
     def _load_version(self, s: _Server, version: str) -> str:
-        """The `weight_version` a load sends: the version, marked with what is still released."""
-        return MemoryMark(version, frozenset(s.released)).encode() if s.marks else version
+        """The `weight_version` a load sends: the version, marked with what is still released (and the lease)."""
+        return MemoryMark(version, frozenset(s.released), lease=self._held_lease()).encode() if s.marks else version
+
+    def _held_lease(self) -> Lease | None:
+        """The lease to write now (renewed when half gone), or None once this lifecycle let go."""
+        if not self._holding:
+            return None
+        if self.lease.due(self.lease_timeout):
+            self.lease = self.lease.renewed(self.lease_timeout)
+        return self.lease
 
     async def _reload(self, s: _Server, version: str) -> None:
         path = self.reload_path or s.model_path
@@ -590,7 +745,7 @@ class Lifecycle:
                 "reports no model_path to reload from; pass weights= to wake_up", url=s.url)
         sent = self._load_version(s, version)
         await s.client.update_weights_from_disk(path, weight_version=sent, flush_cache=True)
-        s.mark = sent
+        s.mark, s.leased = sent, MemoryMark.decode(sent).lease is not None
         self.weight_version = version
 
     async def _load(self, s: _Server, w: Weights, version: str) -> None:
@@ -602,7 +757,7 @@ class Lifecycle:
             await s.client.update_weights_from_disk(w.path, load_format=w.load_format, weight_version=sent, flush_cache=True)
         else:
             raise LifecycleError("update_weights", "Weights has neither a state_dict nor a path", url=s.url)
-        s.mark = sent
+        s.mark, s.leased = sent, MemoryMark.decode(sent).lease is not None
         self.weight_version = version
 
     async def _memory_call(self, s: _Server, op: Literal["release", "resume"], tags: list[str]) -> None:
@@ -619,14 +774,17 @@ class Lifecycle:
             s.released.update(tags)
         else:
             s.released.difference_update(tags)
+            s.parked = False
         await self._mark(s)
 
-    async def _mark(self, s: _Server, *, pending: str | None = None, parked: bool = False) -> None:
-        """Record `s`'s memory state in its weight version (see `MemoryMark`), if it changed."""
+    async def _mark(self, s: _Server, *, pending: str | None = None) -> None:
+        """Record `s`'s memory state (and, while this lifecycle holds it, its lease, renewed when half
+        gone) in its weight version (see `MemoryMark`), if it changed."""
         if not s.marks:
             return
         version = self.weight_version or (s.found.version if s.found is not None else "default")
-        text = MemoryMark(version, frozenset(s.released), pending, parked).encode()
+        lease = self._held_lease()
+        text = MemoryMark(version, frozenset(s.released), pending, s.parked and bool(s.released), lease).encode()
         if text == s.mark:
             return
         update = getattr(s.client, "update_weight_version", None)
@@ -643,6 +801,7 @@ class Lifecycle:
                         s.url, e)
             return
         s.mark = text
+        s.leased = lease is not None
 
     async def _resume(self, s: _Server, tags: Sequence[str]) -> None:
         todo = [t for t in tags if t in s.released]

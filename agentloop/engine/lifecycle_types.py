@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .lease import Lease
+
 
 SLEEP_STAGES: tuple[str, ...] = ("pause", "settle", "continue", "flush_cache", "release")
 """The sleep stages in order (stage names in `LifecycleError.stage` and `StageRecord.stage`)."""
@@ -105,20 +107,25 @@ class MemoryMark:
     sent but not (yet) answered ("release:weights,kv_cache"): a runtime killed during it leaves it.
     `parked`: a runtime left the server asleep on purpose when it stopped (`engine.restore_on_stop:
     false`); without it, a server found asleep was left so by a runtime that did not get to stop.
-    A plain version (no mark) means nothing is released: a fresh server, or one woken completely.
-    The mark lives in the server process, so a restarted server never carries a stale one.
+    `lease`: the runtime that drives the server now (`agentloop.engine.lease`), present from its
+    attach until it lets the server go, awake or asleep.
+    A plain version (no mark) means nothing is released and nobody holds the server: a fresh server,
+    or one a runtime woke completely and let go. The mark lives in the server process, so a
+    restarted server never carries a stale one.
     """
 
     version: str
     released: frozenset[str] = frozenset()
     pending: str | None = None
     parked: bool = False
+    lease: Lease | None = None
 
     def encode(self) -> str:
-        if not self.released and self.pending is None:
+        if not self.released and self.pending is None and self.lease is None:
             return self.version
         text = f"{self.version}{MARK_SEPARATOR}released={','.join(sorted(self.released))}"
-        return text + (f";pending={self.pending}" if self.pending else "") + (";parked=1" if self.parked else "")
+        text += (f";pending={self.pending}" if self.pending else "") + (";parked=1" if self.parked else "")
+        return text + "".join(f";{k}={v}" for k, v in (self.lease.fields().items() if self.lease else ()))
 
     @classmethod
     def decode(cls, weight_version: str) -> "MemoryMark":
@@ -127,4 +134,11 @@ class MemoryMark:
             return cls(version)
         fields = dict(part.partition("=")[::2] for part in rest.split(";") if part)
         released = frozenset(t for t in fields.get("released", "").split(",") if t)
-        return cls(version, released, fields.get("pending") or None, fields.get("parked") == "1")
+        return cls(version, released, fields.get("pending") or None, fields.get("parked") == "1",
+                   Lease.from_fields(fields))
+
+
+def served_version(weight_version: str) -> str:
+    """The weight version a server serves, without the lifecycle's mark (generate responses carry
+    the server's whole weight version string, mark included, while a runtime holds the server)."""
+    return str(weight_version).partition(MARK_SEPARATOR)[0]

@@ -42,6 +42,7 @@ from ..base import (
     SamplingParams,
     parse_generate_response,
 )
+from ..lifecycle_types import served_version
 from ..served_model import ServedModelChecks, TensorTransport
 from ..weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
 from .error_body import error_message
@@ -325,5 +326,6 @@ class SGLangClient(HttpTransport, ServedModelChecks):
                                                               "abort_all_requests": bool(abort_all_requests)})
 
     async def weight_version(self) -> str:
-        """The served weight version (`/model_info`; SGLang removed `/get_weight_version`)."""
-        return str((await self.model_info()).get("weight_version", ""))
+        """The served weight version (`/model_info`; SGLang removed `/get_weight_version`), without the
+        mark a lifecycle records in it (`agentloop.engine.lifecycle_types.MemoryMark`)."""
+        return served_version(str((await self.model_info()).get("weight_version", "")))
