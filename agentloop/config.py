@@ -101,8 +101,9 @@ class EngineConfig(_Strict):
     lease_timeout: float = Field(
         600.0, gt=0,
         description="Seconds this runtime's lease on its servers lasts unless renewed (it is renewed at every "
-        "wake-up and sleep). Another runtime on this machine checks the owner's process instead; one on another "
-        "machine waits for the lease to expire before it takes the server over.",
+        "wake-up and sleep and during rollouts, not between steps). Another runtime on this machine checks the "
+        "owner's process instead; one on another machine waits for the lease to expire before it takes the server "
+        "over, so keep it above the time between your steps if runtimes on several machines share servers.",
     )
     restore_on_stop: bool = Field(
         True,

@@ -308,8 +308,11 @@ class Runtime(SyncFacade):
             try:
                 version = await lc.wake_up(weights)
                 t_awake = time.monotonic()
-                result = await self.scheduler.run(samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory,
-                                                  more_samples=more_samples)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lc.keep_lease)  # a rollout longer than half the lease keeps it
+                    result = await self.scheduler.run(samples, config=cfg, on_trajectory=on_trajectory or self.on_trajectory,
+                                                      more_samples=more_samples)
+                    tg.cancel_scope.cancel()
             finally:
                 t_rolled = time.monotonic()
                 with anyio.CancelScope(shield=True):

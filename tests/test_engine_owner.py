@@ -33,7 +33,6 @@ from agentloop.engine.lifecycle import Lifecycle, LifecycleError
 from agentloop.engine.lifecycle_types import MARK_SEPARATOR, MemoryMark
 from agentloop.engine.local.process import LocalEngineProcess
 from agentloop.engine.sglang import SGLangClient
-from agentloop.models.random_model import make_random_model
 from agentloop.runtime import Runtime
 from agentloop.types import Sample
 
@@ -47,9 +46,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(tmp_path_factory.mktemp("owner") / "model", seed=4)
 
 
 def samples(n: int, prefix: str, turns: int = 2) -> list[Sample]:
@@ -58,8 +54,8 @@ def samples(n: int, prefix: str, turns: int = 2) -> list[Sample]:
                    extra={"replay": replay}) for i in range(n)]
 
 
-def config(url: str, model_dir: Path, **engine: Any) -> dict[str, Any]:
-    return {"engine": {"urls": [url], "tokenizer": str(model_dir), "liveness_timeout": 5.0, "request_timeout": 60, **engine},
+def config(url: str, model: Path, **engine: Any) -> dict[str, Any]:
+    return {"engine": {"urls": [url], "tokenizer": str(model), "liveness_timeout": 5.0, "request_timeout": 60, **engine},
             "scheduler": {"concurrency": 8, "trajectory_timeout": 120}, "agent": {"temperature": 0.0}}
 
 
@@ -84,21 +80,21 @@ def refused_for_owner(e: BaseException, owner: Lease) -> None:
 
 
 @pytest.mark.slow
-async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(random_model_dir: Path) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc:
         url = proc.url
-        async with Runtime(config(url, model_dir)) as a:
+        async with Runtime(config(url, random_model_dir)) as a:
             assert a.lifecycle is not None
             await completed_steps(a, "a")  # between steps: A holds the server asleep
             with pytest.raises(LifecycleError) as between:
-                await Runtime(config(url, model_dir)).start()
+                await Runtime(config(url, random_model_dir)).start()
             refused_for_owner(between.value, a.lifecycle.lease)
             refusals: list[BaseException] = []
 
             async def b_mid_step() -> None:
                 await a.lifecycle.gate.wait_awake(60)  # A is mid-step, generating
                 with pytest.raises(LifecycleError) as mid:
-                    await Runtime(config(url, model_dir)).start()
+                    await Runtime(config(url, random_model_dir)).start()
                 refusals.append(mid.value)
 
             async with anyio.create_task_group() as tg:
@@ -110,14 +106,14 @@ async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(mod
             assert MemoryMark.decode((await server_state(url))["version"]).lease == a.lifecycle.lease
         # A stopped: the server is awake and nobody's again, and B runs
         assert await server_state(url) == {"released": [], "version": "default"}
-        async with Runtime(config(url, model_dir)) as b:
+        async with Runtime(config(url, random_model_dir)) as b:
             await completed_steps(b, "b")
         assert proc.returncode is None
 
 
 @pytest.mark.slow
-async def test_agentloop_rollout_on_a_driven_server_is_refused_naming_the_owner(model_dir: Path, tmp_path: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc, Runtime(config(proc.url, model_dir)) as a:
+async def test_agentloop_rollout_on_a_driven_server_is_refused_naming_the_owner(random_model_dir: Path, tmp_path: Path) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc, Runtime(config(proc.url, random_model_dir)) as a:
         assert a.lifecycle is not None
         await completed_steps(a, "a")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -161,10 +157,10 @@ OWNER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(random_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        owner = subprocess.Popen([sys.executable, "-c", OWNER, proc.url, str(model_dir)], stdout=subprocess.PIPE,
+        owner = subprocess.Popen([sys.executable, "-c", OWNER, proc.url, str(random_model_dir)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
         try:
             assert owner.stdout is not None
@@ -177,7 +173,7 @@ async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(model_dir
             owner.wait()
         caplog.set_level(logging.WARNING, logger="agentloop")
         t0 = time.monotonic()
-        async with Runtime(config(proc.url, model_dir)) as b:  # no waiting for the lease to expire
+        async with Runtime(config(proc.url, random_model_dir)) as b:  # no waiting for the lease to expire
             assert time.monotonic() - t0 < lease.until - time.time()
             await completed_steps(b, "b")
         assert any("its process is gone" in r.getMessage() and str(owner.pid) in r.getMessage() for r in caplog.records)
@@ -194,30 +190,30 @@ async def write_remote_lease(url: str, until: float) -> Lease:
 
 
 @pytest.mark.slow
-async def test_a_lease_from_another_machine_holds_until_it_expires(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_a_lease_from_another_machine_holds_until_it_expires(random_model_dir: Path) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc:
         lease = await write_remote_lease(proc.url, time.time() + 600)
         with pytest.raises(LifecycleError) as live:
-            await Runtime(config(proc.url, model_dir)).start()
+            await Runtime(config(proc.url, random_model_dir)).start()
         refused_for_owner(live.value, lease)
         assert "on another machine; its lease has not expired" in str(live.value) and "otherhost" in str(live.value)
         assert (await server_state(proc.url))["released"] == []  # refused before any lifecycle call
         await write_remote_lease(proc.url, time.time() - 1)  # its owner stopped renewing it
-        async with Runtime(config(proc.url, model_dir)) as b:
+        async with Runtime(config(proc.url, random_model_dir)) as b:
             await completed_steps(b, "b")
         assert await server_state(proc.url) == {"released": [], "version": "default"}
 
 
 @pytest.mark.slow
-async def test_a_taken_over_runtime_stops_driving_the_server(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_a_taken_over_runtime_stops_driving_the_server(random_model_dir: Path) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc:
         url = proc.url
-        a = Runtime(config(url, model_dir))
+        a = Runtime(config(url, random_model_dir))
         await a.start()
         try:
             assert a.lifecycle is not None
             await completed_steps(a, "a")
-            async with Runtime(config(url, model_dir, takeover=True)) as b:  # the override: A is alive
+            async with Runtime(config(url, random_model_dir, takeover=True)) as b:  # the override: A is alive
                 assert b.lifecycle is not None
                 await completed_steps(b, "b")
                 with pytest.raises(LifecycleError, match=r"no engine server left .*agentloop runtime "
@@ -232,8 +228,8 @@ async def test_a_taken_over_runtime_stops_driving_the_server(model_dir: Path) ->
         assert proc.returncode is None
 
 
-async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(random_model_dir: Path) -> None:
+    async with LocalEngineProcess(random_model_dir) as proc:
         async with SGLangClient(proc.url) as c1, SGLangClient(proc.url) as c2:
             lcs = [Lifecycle([c1]), Lifecycle([c2])]
             results: list[BaseException | None] = [None, None]
@@ -261,3 +257,29 @@ async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(m
             for lc in lcs:
                 lc.close()
         assert await server_state(proc.url) == {"released": [], "version": "default"}
+
+
+@pytest.mark.slow
+async def test_a_rollout_longer_than_the_lease_keeps_it(random_model_dir: Path) -> None:
+    """A runtime on another machine trusts the lease's expiry: it must never lapse while the owner
+    works. Wake-up and sleep renew it; `keep_lease` renews it during a rollout longer than that."""
+    async with LocalEngineProcess(random_model_dir) as proc, Runtime(config(proc.url, random_model_dir, lease_timeout=2.0)) as a:
+        assert a.lifecycle is not None
+        await completed_steps(a, "a")
+        seen: list[int] = []
+
+        async def watch() -> None:
+            await a.lifecycle.gate.wait_awake(60)
+            while a.lifecycle.gate.is_open:
+                lease = MemoryMark.decode((await server_state(proc.url))["version"]).lease
+                assert lease is not None and lease.owner == a.lifecycle.lease.owner
+                assert lease.until > time.time(), "the lease lapsed mid-step"
+                if not seen or lease.until != seen[-1]:
+                    seen.append(lease.until)
+                await anyio.sleep(0.1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await completed_steps(a, "long", steps=1, turns=80)
+        assert len(seen) >= 2, f"never renewed during the step: {seen}"  # (the rollout outlasted the lease)
+        await completed_steps(a, "c")

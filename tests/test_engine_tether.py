@@ -30,7 +30,6 @@ import pytest
 
 from agentloop.engine.launch import SGLangLaunchConfig, SGLangServer
 from agentloop.engine.tether import TETHER_AVAILABLE, popen_tethered
-from agentloop.models.random_model import make_random_model
 
 pytestmark = [pytest.mark.skipif(not TETHER_AVAILABLE, reason="PR_SET_PDEATHSIG is Linux-only"), pytest.mark.anyio]
 REPO = Path(__file__).resolve().parents[1]
@@ -110,13 +109,10 @@ RUNTIME_PROGRAM = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_model(tmp_path_factory.mktemp("tether") / "model", seed=5)
 
 
-def start_runtime_program(model_dir: Path, how: str) -> tuple[subprocess.Popen[str], list[dict[str, int]]]:
-    proc = subprocess.Popen([sys.executable, "-c", RUNTIME_PROGRAM, str(model_dir), how], stdout=subprocess.PIPE,
+def start_runtime_program(model: Path, how: str) -> tuple[subprocess.Popen[str], list[dict[str, int]]]:
+    proc = subprocess.Popen([sys.executable, "-c", RUNTIME_PROGRAM, str(model), how], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout is not None
     line = proc.stdout.readline()  # after two steps
@@ -129,8 +125,8 @@ def start_runtime_program(model_dir: Path, how: str) -> tuple[subprocess.Popen[s
 
 
 @pytest.mark.slow
-def test_engines_of_a_sigkilled_runtime_process_die_and_free_their_ports(model_dir: Path) -> None:
-    proc, engines = start_runtime_program(model_dir, "kill")
+def test_engines_of_a_sigkilled_runtime_process_die_and_free_their_ports(random_model_dir: Path) -> None:
+    proc, engines = start_runtime_program(random_model_dir, "kill")
     try:
         proc.kill()  # mid-step: generations in flight on both engines
         assert proc.wait(30) == -signal.SIGKILL
@@ -145,8 +141,8 @@ def test_engines_of_a_sigkilled_runtime_process_die_and_free_their_ports(model_d
 
 
 @pytest.mark.slow
-def test_a_runtime_stopping_normally_still_stops_its_engines(model_dir: Path) -> None:
-    proc, engines = start_runtime_program(model_dir, "stop")
+def test_a_runtime_stopping_normally_still_stops_its_engines(random_model_dir: Path) -> None:
+    proc, engines = start_runtime_program(random_model_dir, "stop")
     try:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "STOPPED" in out, err

@@ -18,6 +18,13 @@ What it does, with the shipped tiny tool model (`agentloop.models.tiny_tool_mode
    runs a step, one server's process group is SIGKILLed between steps, the next step must complete
    on the other one (metrics name the dead one), the server is restarted on its port, and the step
    after must re-admit it and use both.
+4. `second_attach`: on the first server, a `Runtime` (A) runs a step; while its second step rolls
+   out, `agentloop rollout --engine-url URL` (B) is started: B must be refused, naming A's lease and
+   `engine.takeover`, A's step must complete untouched (0 failed, plain weight versions in its
+   trajectories), and once A stops the server must be awake with its plain version.
+5. `launcher_sigkilled`: `python -m agentloop.engine.launch` starts a server and is SIGKILLed; the
+   server and every process of its group (scheduler, detokenizer) must be gone, and the GPU memory
+   they held freed, within 60 s (`agentloop.engine.tether`).
 
 OUT_DIR/gpu_engine_faults.json is rewritten after every stage (so a run cut short keeps what it
 measured) with per-stage results and `checks`; server logs' tails go to OUT_DIR/gpu_engine_faults.log.
@@ -222,6 +229,107 @@ async def sigkill_mid_step(res: Results, url: str, work: Path) -> None:
               and summary["status"].get("failed", 0) == 0 and state["alive"])
 
 
+async def second_attach(res: Results, url: str, model: Path, work: Path) -> None:
+    from agentloop.data import arithmetic_prompts
+    from agentloop.runtime import Runtime
+
+    rows = [json.loads(x) for x in arithmetic_prompts().read_text().splitlines() if x.strip()]
+    cfg = {"engine": {"urls": [url], "tokenizer": str(model)}, "scheduler": {"n": 2, "concurrency": 64},
+           "agent": {"temperature": 0.0}}
+    b_done: list[subprocess.CompletedProcess[str]] = []
+    async with Runtime(cfg) as a:
+        r1 = await a.step([dict(r, uid=f"a1-{i}") for i, r in enumerate(rows[:16])])
+
+        async def b_mid_step() -> None:
+            await a.lifecycle.gate.wait_awake(300)
+            b_done.append(await anyio.to_thread.run_sync(lambda: subprocess.run(
+                rollout_argv(url, work / "second", 1), capture_output=True, text=True, env=env(), timeout=600)))
+            b_done_at.append(time.monotonic())
+
+        b_done_at: list[float] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b_mid_step)
+            r2 = await a.step([dict(r, uid=f"a2-{i}") for i, r in enumerate(rows[16:32] * 4)])
+            a_step2_done_at = time.monotonic()
+        held = await server_state(url)
+        owner = a.lifecycle.lease.owner
+    b = b_done[0]
+    versions = sorted({v for r in (r1, r2) for t in r.trajectories for v in t.weight_versions})
+    after = await server_state(url)
+    res.stage("second_attach", a_steps=[r1.metrics["status_counts"], r2.metrics["status_counts"]],
+              a_trajectory_weight_versions=versions, server_while_a_holds=held, a_owner=owner,
+              b_exit_code=b.returncode, b_stderr_tail=b.stderr[-1500:], server_after_a_stopped=after,
+              b_refused_while_a_mid_step=b_done_at[0] < a_step2_done_at)
+    res.check("second_attach_refused_naming_owner", b.returncode != 0 and "another runtime drives this server now" in b.stderr
+              and owner.rsplit(":", 1)[1] in b.stderr and "engine.takeover" in b.stderr)
+    res.check("first_runtime_untouched", r2.metrics["status_counts"].get("failed", 0) == 0
+              and r1.metrics["status_counts"].get("failed", 0) == 0 and versions == ["default"])
+    res.check("server_awake_and_free_after_first_stops", after == {"alive": True, "weight_version": "default"})
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+def _children(ppid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+async def launcher_sigkilled(res: Results, model: Path, args: argparse.Namespace, work: Path) -> None:
+    ready = work / "launcher.url"
+    used_before = gpu_used_gib()
+    if args.dry_run:  # the CPU engine, through the same tether
+        argv = [sys.executable, "-c", "import sys, anyio; from agentloop.engine.local.process import LocalEngineProcess; "
+                "p = LocalEngineProcess(sys.argv[1]); url = anyio.run(p.start); open(sys.argv[2], 'w').write(url); "
+                "import time; time.sleep(3600)", str(model), str(ready)]
+    else:
+        argv = [sys.executable, "-m", "agentloop.engine.launch", "--model-path", str(model), "--mem-fraction",
+                str(args.mem_fraction), "--ready-file", str(ready), "--log", str(work / "launcher_server.log")]
+    launcher = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
+    deadline = time.monotonic() + args.start_timeout
+    while not ready.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        await anyio.sleep(0.5)
+    servers = _children(launcher.pid)
+    group = sorted({p for s in servers for p in _group_pids(s)})
+    used_up = gpu_used_gib()
+    res.stage("launcher_sigkilled", ready=ready.exists(), server_pids=group, gpu_used_gib_before=used_before,
+              gpu_used_gib_up=used_up)
+    launcher.kill()
+    launcher.wait()
+    t0 = time.monotonic()
+    while any(_group_pids(s) for s in servers) and time.monotonic() - t0 < 60:
+        await anyio.sleep(0.1)
+    gone_after = round(time.monotonic() - t0, 2)
+    left = sorted({p for s in servers for p in _group_pids(s)})
+    while used_before is not None and (gpu_used_gib() or 0) > used_before + 1.0 and time.monotonic() - t0 < 60:
+        await anyio.sleep(0.2)
+    res.stage("launcher_sigkilled", processes_left=left, gone_after_seconds=gone_after,
+              gpu_used_gib_after=gpu_used_gib(), freed_after_seconds=round(time.monotonic() - t0, 2))
+    for p in left:  # only if the check fails: leave nothing behind
+        os.kill(p, signal.SIGKILL)
+    res.check("launcher_sigkill_takes_the_server_tree", bool(group) and len(group) >= (1 if args.dry_run else 3) and not left)
+    if used_before is not None:
+        res.check("launcher_sigkill_frees_the_gpu", (gpu_used_gib() or 0) <= used_before + 1.0)
+
+
 async def two_servers_one_killed(res: Results, model: Path, args: argparse.Namespace, work: Path) -> None:
     from agentloop.runtime import Runtime
 
@@ -292,7 +400,7 @@ async def main(args: argparse.Namespace) -> int:
     server = Server(model, args.dry_run, args.mem_fraction)
     stages = set(args.stages.split(","))
     try:
-        if stages & {"consecutive_runs", "sigkill_mid_step"}:
+        if stages & {"consecutive_runs", "sigkill_mid_step", "second_attach"}:
             t0 = time.monotonic()
             url = await server.start(args.start_timeout)
             res.stage("server", url=url, start_seconds=round(time.monotonic() - t0, 1), gpu_used_gib=gpu_used_gib())
@@ -300,11 +408,15 @@ async def main(args: argparse.Namespace) -> int:
                 await consecutive_runs(res, url, work, args.runs)
             if "sigkill_mid_step" in stages:
                 await sigkill_mid_step(res, url, work)
+            if "second_attach" in stages:
+                await second_attach(res, url, model, work)
             res.check("first_server_never_crashed", server.alive())
             res.stage("server", log_tail=server.log_tail())
             await server.stop()
         if "two_servers_one_killed" in stages:
             await two_servers_one_killed(res, model, args, work)
+        if "launcher_sigkilled" in stages:
+            await launcher_sigkilled(res, model, args, work)
     except Exception:
         res.stage("error", traceback=traceback.format_exc())
         res.check("no_error", False)
@@ -325,7 +437,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="consecutive rollout runs against one server")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each SGLang server")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to come up")
-    p.add_argument("--stages", default="consecutive_runs,sigkill_mid_step,two_servers_one_killed",
+    p.add_argument("--stages", default="consecutive_runs,sigkill_mid_step,two_servers_one_killed,second_attach,"
+                   "launcher_sigkilled",
                    help="comma-separated stages to run (e.g. two_servers_one_killed alone, to fit a time limit)")
     return p.parse_args(argv)
 

@@ -14,14 +14,19 @@ Who is alive (`owner_status`):
   records (a reused pid does not count); inside one process, the owning `Lifecycle` must not have
   been closed or garbage-collected (`register`/`unregister`). A SIGKILLed owner is taken over at once.
 - **another machine**: the lease's expiry (`until`, wall clock); the owner renews it at every wake-up
-  and sleep (`lease_timeout` ahead). A dead owner there is taken over once it expires, or at once
-  with `engine.takeover: true`.
+  and sleep and during rollouts (`Lifecycle.keep_lease`), `lease_timeout` ahead. A dead owner there
+  is taken over once it expires, or at once with `engine.takeover: true`. Between steps (the
+  trainer's time) nothing renews it: if that gap outlasts the lease, a runtime on another machine
+  may take the server, and the owner's next wake-up finds the other lease and stops driving it
+  (a clear error, never a double release). Set `engine.lease_timeout` above that gap when runtimes
+  on several machines share servers.
 
 The lease is `owner=HOST:PID:NONCE;node=NODE;started=TICKS;until=UNIX` inside the mark.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import secrets
@@ -108,10 +113,9 @@ class Lease:
 
     def describe(self) -> str:
         host, pid, nonce = self.owner.split(":")
-        left = self.until - time.time()
-        when = time.strftime("%H:%M:%S UTC", time.gmtime(self.until))
-        return (f"agentloop runtime {nonce} in process {pid} on {host} (lease until {when}, "
-                + (f"{left:.0f}s from now)" if left > 0 else f"expired {-left:.0f}s ago)"))
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.until))
+        return f"agentloop runtime {nonce} in process {pid} on {host} (lease " + (
+            f"until {when})" if self.until > time.time() else f"expired at {when})")
 
 
 def new_lease(timeout: float) -> Lease:
@@ -137,6 +141,8 @@ def owner_status(lease: Lease, mine: Lease) -> OwnerStatus:
         return "ours"
     if lease.node == mine.node and mine.node:
         if lease.pid == os.getpid() and lease.started == mine.started:
+            if lease.nonce in _live:
+                gc.collect()  # a dropped Lifecycle sits in a reference cycle (its gate's hooks) until collected
             return "alive" if lease.nonce in _live else "dead"
         started = _proc_start_ticks(lease.pid)
         return "alive" if started is not None and started == lease.started else "dead"

@@ -54,8 +54,9 @@ allocation that is not active") and on a resume of resident memory (KeyError in 
 5. **One runtime at a time: owner leases.** From `attach()` until it lets the servers go (`restore` /
    `park`, or `close`), every mark this lifecycle writes — awake or asleep — carries its `Lease`
    (`agentloop.engine.lease`: owner `HOST:PID:NONCE`, the machine's boot/PID-namespace id, the
-   owner process's start time, an expiry renewed at every wake-up and sleep, `lease_timeout`
-   ahead). A runtime attaching to a server whose lease another *live* owner holds is refused with a
+   owner process's start time, an expiry `lease_timeout` ahead, renewed at every wake-up and sleep
+   and, during a rollout, by `keep_lease`; not between steps, the trainer's time). A runtime
+   attaching to a server whose lease another *live* owner holds is refused with a
    `LifecycleError` naming the owner and `engine.takeover` (mid-step, its start-up sleep would abort
    the owner's requests and release memory under it, and the owner's next release would crash
    SGLang). Live means: on the same machine, the owner's process exists with the recorded start
@@ -334,8 +335,11 @@ class Lifecycle:
             elif s.out is None:
                 lost = self._lost(s, a)
                 if lost is None:
-                    await self._mark(s)  # renews the lease when it is half gone
-                    continue
+                    try:
+                        await self._mark(s)  # renews the lease when it is half gone
+                        continue
+                    except _PROBE_ERRORS as e:
+                        lost = f"cannot renew this runtime's lease in its mark ({_short(e)})"
                 await self.take_out(s.url, lost)
                 if readmit:  # held by nobody now (restarted, or let go): ours again, in its real state
                     await self._readmit(s, a)
@@ -672,6 +676,20 @@ class Lifecycle:
                 except _PROBE_ERRORS as e:  # unreachable: its lease lapses when this process ends
                     log.warning("engine server %s: could not clear this runtime's lease (%s)", s.url, _short(e))
         self.close()
+
+    async def keep_lease(self) -> None:
+        """Renew this lifecycle's lease in its servers' marks until cancelled (run it beside a step's
+        rollout: the wake-up and the sleep renew it, this covers a rollout longer than half of
+        `lease_timeout`). A failed write is only logged: the step's own stages say what is wrong."""
+        while self._holding:
+            await anyio.sleep(self.lease_timeout / 4)
+            async with self._transition_lock:
+                for s in self._in_rotation():
+                    try:
+                        with anyio.fail_after(self.liveness_timeout):
+                            await self._mark(s)
+                    except (*_PROBE_ERRORS, LifecycleError) as e:
+                        log.warning("engine server %s: could not renew this runtime's lease (%s)", s.url, _short(e))
 
     def close(self) -> None:
         """This lifecycle drives nothing from now on: its lease, wherever a server still carries it,
