@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 
@@ -91,7 +92,7 @@ def step_weights(args: argparse.Namespace, step: int, model_dir: Path) -> Any:
     return make_weights(hf_param_shapes(model_dir), seed=step)
 
 
-async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
+async def run(args: argparse.Namespace, out: dict[str, Any], save: Callable[[dict[str, Any]], None]) -> bool:
     import ray
 
     from agentloop.distributed import RayRuntime
@@ -168,7 +169,8 @@ async def run(args: argparse.Namespace, out: dict[str, Any]) -> bool:
                 "gpu_used_gib": mem,
             })
             print(json.dumps(steps[-1]), flush=True)
-        out["steps"] = steps
+            out["steps"] = steps
+            save(out)  # a run cut short keeps the steps it finished
         windows = rt.lifecycle.gate_windows
         stats = await rt.worker_stats(times=True)
         dispatches = [t for s in stats for t in s["dispatch_times"]]
@@ -218,6 +220,14 @@ def main() -> int:
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("gpu_ray_two_servers.json" if args.num_servers == 2 else f"gpu_ray_{args.num_servers}_server.json")
+    def save(doc: dict[str, Any]) -> None:
+        path.write_text(json.dumps(doc, indent=1, default=str))
+
+    def on_term(*_: Any) -> None:  # `timeout` sends SIGTERM: stop the servers and write what was measured
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_term)
     out: dict[str, Any] = {"command": " ".join(sys.argv), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "dry_run": args.dry_run}
     try:
@@ -231,14 +241,13 @@ def main() -> int:
         except ImportError:
             if not args.dry_run:
                 raise
-        ok = anyio.run(run, args, out)
+        ok = anyio.run(run, args, out, save)
     except BaseException as e:  # the JSON must say what went wrong
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()
         ok = False
     out["ok"] = ok
-    path = out_dir / ("gpu_ray_two_servers.json" if args.num_servers == 2 else f"gpu_ray_{args.num_servers}_server.json")
-    path.write_text(json.dumps(out, indent=1, default=str))
+    save(out)
     print(f"{'OK' if ok else 'FAILED'}: {path}")
     return 0 if ok else 1
 
