@@ -22,7 +22,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import anyio
 import pytest
@@ -31,10 +31,10 @@ from agentloop.engine.base import SamplingParams
 from agentloop.engine.lease import Lease
 from agentloop.engine.lifecycle import Lifecycle, LifecycleError
 from agentloop.engine.lifecycle_types import MARK_SEPARATOR, MemoryMark
-from agentloop.engine.local.process import LocalEngineProcess
 from agentloop.engine.sglang import SGLangClient
 from agentloop.runtime import Runtime
 from agentloop.types import Sample
+from engine_pool import EnginePool
 
 pytestmark = pytest.mark.anyio
 REPO = Path(__file__).resolve().parents[1]
@@ -46,10 +46,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="module")
+def pool(random_model_dir: Path) -> Iterator[EnginePool]:
+    """CPU servers reused while as good as new (a lease left in a mark disqualifies one)."""
+    engines = EnginePool(random_model_dir)
+    yield engines
+    engines.close_sync()
 
 
-def samples(n: int, prefix: str, turns: int = 2) -> list[Sample]:
-    replay = {"prompt_tokens": 10, "turns": [{"gen_tokens": 8, "tool_latency_s": 0.05, "tool_result_tokens": 3}] * turns}
+
+
+def samples(n: int, prefix: str, turns: int = 2, latency: float = 0.05) -> list[Sample]:
+    replay = {"prompt_tokens": 10, "turns": [{"gen_tokens": 8, "tool_latency_s": latency, "tool_result_tokens": 3}] * turns}
     return [Sample(uid=f"{prefix}{i}", messages=[{"role": "user", "content": "x"}], agent="replay",
                    extra={"replay": replay}) for i in range(n)]
 
@@ -80,8 +88,9 @@ def refused_for_owner(e: BaseException, owner: Lease) -> None:
 
 
 @pytest.mark.slow
-async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(random_model_dir: Path) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc:
+async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(
+        random_model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         url = proc.url
         async with Runtime(config(url, random_model_dir)) as a:
             assert a.lifecycle is not None
@@ -93,15 +102,15 @@ async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(ran
 
             async def b_mid_step() -> None:
                 await a.lifecycle.gate.wait_awake(60)  # A is mid-step, generating
-                with pytest.raises(LifecycleError) as mid:
-                    await Runtime(config(url, random_model_dir)).start()
+                with pytest.raises(LifecycleError) as mid:  # (B's tokenizer given: B attaches at once)
+                    await Runtime(config(url, random_model_dir), tokenizer=a.tokenizer).start()
+                assert a.lifecycle.gate.is_open, "A's step ended before B attached: not a mid-step attach"
                 refusals.append(mid.value)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(b_mid_step)
-                await completed_steps(a, "m", steps=1, turns=6)  # untouched by B
+                await completed_steps(a, "m", steps=1, turns=20, latency=0.1)  # untouched by B
             refused_for_owner(refusals[0], a.lifecycle.lease)
-            await completed_steps(a, "c")
             assert a.lifecycle.generations_outside_awake == 0
             assert MemoryMark.decode((await server_state(url))["version"]).lease == a.lifecycle.lease
         # A stopped: the server is awake and nobody's again, and B runs
@@ -112,8 +121,9 @@ async def test_a_second_runtime_is_refused_while_the_first_drives_the_server(ran
 
 
 @pytest.mark.slow
-async def test_agentloop_rollout_on_a_driven_server_is_refused_naming_the_owner(random_model_dir: Path, tmp_path: Path) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc, Runtime(config(proc.url, random_model_dir)) as a:
+async def test_agentloop_rollout_on_a_driven_server_is_refused_naming_the_owner(
+        random_model_dir: Path, pool: EnginePool, tmp_path: Path) -> None:
+    async with pool.servers(1) as (proc,), Runtime(config(proc.url, random_model_dir)) as a:
         assert a.lifecycle is not None
         await completed_steps(a, "a")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -142,8 +152,7 @@ OWNER = textwrap.dedent("""
 
     async def main():
         async with Runtime({"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"temperature": 0.0}}) as rt:
-            for step in range(2):
-                await rt.step(samples(f"s{step}-", 2))
+            await rt.step(samples("s0-", 2))
             async def announce():
                 await rt.lifecycle.gate.wait_awake(60)
                 print("MID-STEP", flush=True)
@@ -157,8 +166,9 @@ OWNER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(random_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc:
+async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(
+        random_model_dir: Path, pool: EnginePool, caplog: pytest.LogCaptureFixture) -> None:
+    async with pool.servers(1) as (proc,):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         owner = subprocess.Popen([sys.executable, "-c", OWNER, proc.url, str(random_model_dir)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
@@ -190,8 +200,8 @@ async def write_remote_lease(url: str, until: float) -> Lease:
 
 
 @pytest.mark.slow
-async def test_a_lease_from_another_machine_holds_until_it_expires(random_model_dir: Path) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc:
+async def test_a_lease_from_another_machine_holds_until_it_expires(random_model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         lease = await write_remote_lease(proc.url, time.time() + 600)
         with pytest.raises(LifecycleError) as live:
             await Runtime(config(proc.url, random_model_dir)).start()
@@ -205,8 +215,8 @@ async def test_a_lease_from_another_machine_holds_until_it_expires(random_model_
 
 
 @pytest.mark.slow
-async def test_a_taken_over_runtime_stops_driving_the_server(random_model_dir: Path) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc:
+async def test_a_taken_over_runtime_stops_driving_the_server(random_model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         url = proc.url
         a = Runtime(config(url, random_model_dir))
         await a.start()
@@ -228,8 +238,9 @@ async def test_a_taken_over_runtime_stops_driving_the_server(random_model_dir: P
         assert proc.returncode is None
 
 
-async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(random_model_dir: Path) -> None:
-    async with LocalEngineProcess(random_model_dir) as proc:
+async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(
+        random_model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         async with SGLangClient(proc.url) as c1, SGLangClient(proc.url) as c2:
             lcs = [Lifecycle([c1]), Lifecycle([c2])]
             results: list[BaseException | None] = [None, None]
@@ -260,12 +271,11 @@ async def test_two_lifecycles_attaching_at_the_same_moment_one_gets_the_server(r
 
 
 @pytest.mark.slow
-async def test_a_rollout_longer_than_the_lease_keeps_it(random_model_dir: Path) -> None:
+async def test_a_rollout_longer_than_the_lease_keeps_it(random_model_dir: Path, pool: EnginePool) -> None:
     """A runtime on another machine trusts the lease's expiry: it must never lapse while the owner
     works. Wake-up and sleep renew it; `keep_lease` renews it during a rollout longer than that."""
-    async with LocalEngineProcess(random_model_dir) as proc, Runtime(config(proc.url, random_model_dir, lease_timeout=2.0)) as a:
+    async with pool.servers(1) as (proc,), Runtime(config(proc.url, random_model_dir, lease_timeout=2.0)) as a:
         assert a.lifecycle is not None
-        await completed_steps(a, "a")
         seen: list[int] = []
 
         async def watch() -> None:
@@ -280,6 +290,6 @@ async def test_a_rollout_longer_than_the_lease_keeps_it(random_model_dir: Path) 
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
-            await completed_steps(a, "long", steps=1, turns=80)
+            await completed_steps(a, "long", steps=1, turns=50, latency=0.1)  # >= 5 s of tool waits
         assert len(seen) >= 2, f"never renewed during the step: {seen}"  # (the rollout outlasted the lease)
-        await completed_steps(a, "c")
+        await completed_steps(a, "c", steps=1)

@@ -1,8 +1,9 @@
 """Engine processes agentloop launches die with the process that launched them (`agentloop.engine.tether`).
 
-- a Python process running a `Runtime` with two embedded CPU engines (two steps done, a third in
-  flight) is SIGKILLed: within seconds no engine process of it is left and their ports are free;
-  the same program stopping normally leaves none either;
+- a Python process stops a `Runtime` with an embedded CPU engine normally (after two steps): the
+  engine is gone and its port free; then it runs a `Runtime` with two engines (two steps done, a
+  third in flight) and is SIGKILLed: within seconds no engine process of it is left and their ports
+  are free;
 - an SGLang launch (`SGLangServer`; a stand-in `sglang.launch_server` module whose child sets its own
   death signal first thing, as sglang 0.5.17's scheduler and detokenizer do) is taken down whole
   when its launcher is SIGKILLed, and a normal stop still ends the whole process group;
@@ -80,76 +81,62 @@ RUNTIME_PROGRAM = textwrap.dedent("""
     from agentloop.runtime import Runtime
     from agentloop.types import Sample
 
-    model, how = sys.argv[1], sys.argv[2]
-    replay = {"prompt_tokens": 10, "turns": [{"gen_tokens": 8, "tool_latency_s": 0.05, "tool_result_tokens": 3}] * 2}
+    replay = {"prompt_tokens": 10, "turns": [{"gen_tokens": 8, "tool_latency_s": 0.05, "tool_result_tokens": 3}]}
 
     def samples(prefix, n=4, turns=2):
-        r = dict(replay, turns=replay["turns"] * turns)
         return [Sample(uid=f"{prefix}{i}", messages=[{"role": "user", "content": "x"}], agent="replay",
-                       extra={"replay": r}) for i in range(n)]
+                       extra={"replay": dict(replay, turns=replay["turns"] * turns)}) for i in range(n)]
 
-    async def main():
-        cfg = {"engine": {"model": model, "num_local_servers": 2, "local_args": ["--num-threads", "1"]},
-               "agent": {"temperature": 0.0}}
-        rt = Runtime(cfg)
-        await rt.start()
+    async def two_steps(rt):
         for step in range(2):
             res = await rt.step(samples(f"s{step}-"))
             assert [t.status for t in res.trajectories] == ["completed"] * 4, [t.error for t in res.trajectories]
-        engines = [{"pid": p.pid, "port": p.port} for p in rt.processes]
+        return [{"pid": p.pid, "port": p.port} for p in rt.processes]
+
+    async def main():
+        def cfg(n):
+            return {"engine": {"model": sys.argv[1], "num_local_servers": n, "local_args": ["--num-threads", "1"]},
+                    "agent": {"temperature": 0.0}}
+        async with Runtime(cfg(1)) as rt:  # the normal stop path
+            engines = await two_steps(rt)
         print(json.dumps(engines), flush=True)
-        if how == "stop":
-            await rt.stop()
-            print("STOPPED", flush=True)
-            return
-        await rt.step(samples("s2-", n=8, turns=200))  # long: killed in the middle of it
+        rt = Runtime(cfg(2))
+        await rt.start()
+        print(json.dumps(await two_steps(rt)), flush=True)
+        await rt.step(samples("long-", n=8, turns=400))  # killed in the middle of it
         print("NOT KILLED", flush=True)
 
     anyio.run(main)
 """)
 
 
-
-
-def start_runtime_program(model: Path, how: str) -> tuple[subprocess.Popen[str], list[dict[str, int]]]:
-    proc = subprocess.Popen([sys.executable, "-c", RUNTIME_PROGRAM, str(model), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env())
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # after two steps
-    if not line:
-        proc.wait(30)
-        raise AssertionError(f"the runtime program ended early (code {proc.returncode}): {proc.stderr.read()}")  # type: ignore[union-attr]
-    engines = json.loads(line)
-    assert len(engines) == 2 and all(alive(e["pid"]) and not port_free(e["port"]) for e in engines), engines
-    return proc, engines
-
-
 @pytest.mark.slow
-def test_engines_of_a_sigkilled_runtime_process_die_and_free_their_ports(random_model_dir: Path) -> None:
-    proc, engines = start_runtime_program(random_model_dir, "kill")
+def test_engines_stop_with_their_runtime_and_die_with_its_sigkilled_process(random_model_dir: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", RUNTIME_PROGRAM, str(random_model_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env())
+    engines: list[dict[str, int]] = []
     try:
-        proc.kill()  # mid-step: generations in flight on both engines
+        assert proc.stdout is not None and proc.stderr is not None
+
+        def engines_line() -> list[dict[str, int]]:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                proc.wait(30)
+                raise AssertionError(f"the runtime program ended early (code {proc.returncode}): {proc.stderr.read()}")  # type: ignore[union-attr]
+            return json.loads(line)
+
+        stopped = engines_line()  # after `async with Runtime` returned: stopped, not merely asked to
+        engines += stopped
+        assert len(stopped) == 1 and not alive(stopped[0]["pid"]) and port_free(stopped[0]["port"])
+        running = engines_line()  # two steps done; a third in flight
+        engines += running
+        assert len(running) == 2 and all(alive(e["pid"]) and not port_free(e["port"]) for e in running), running
+        proc.kill()
         assert proc.wait(30) == -signal.SIGKILL
-        wait_until(lambda: not any(alive(e["pid"]) for e in engines), f"engine processes {engines} gone")
-        wait_until(lambda: all(port_free(e["port"]) for e in engines), f"engine ports {engines} free")
+        wait_until(lambda: not any(alive(e["pid"]) for e in running), f"engine processes {running} gone")
+        wait_until(lambda: all(port_free(e["port"]) for e in running), f"engine ports {running} free")
     finally:
         for e in engines:  # only if the test failed: leave nothing behind
-            if alive(e["pid"]):
-                os.kill(e["pid"], signal.SIGKILL)
-        proc.kill()
-        proc.wait()
-
-
-@pytest.mark.slow
-def test_a_runtime_stopping_normally_still_stops_its_engines(random_model_dir: Path) -> None:
-    proc, engines = start_runtime_program(random_model_dir, "stop")
-    try:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "STOPPED" in out, err
-        assert not any(alive(e["pid"]) for e in engines)  # stopped before the program returned
-        assert all(port_free(e["port"]) for e in engines)
-    finally:
-        for e in engines:
             if alive(e["pid"]):
                 os.kill(e["pid"], signal.SIGKILL)
         proc.kill()
