@@ -293,3 +293,32 @@ async def test_a_rollout_longer_than_the_lease_keeps_it(random_model_dir: Path, 
             await completed_steps(a, "long", steps=1, turns=50, latency=0.1)  # >= 5 s of tool waits
         assert len(seen) >= 2, f"never renewed during the step: {seen}"  # (the rollout outlasted the lease)
         await completed_steps(a, "c", steps=1)
+
+
+# ---------------------------------------------------------------------- who is alive (no server needed)
+def test_owner_status_tells_live_dead_reused_and_remote_owners() -> None:
+    from dataclasses import replace
+
+    from agentloop.engine.lease import new_lease, owner_status
+
+    mine = new_lease(60)
+    lc = Lifecycle([SGLangClient("http://127.0.0.1:9")])  # another holder in this very process
+    assert owner_status(mine, mine) == "ours"
+    assert owner_status(lc.lease, mine) == "alive"
+    lc.close()
+    assert owner_status(lc.lease, mine) == "dead"  # closed (or collected): its lease is a dead owner's
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from agentloop.engine.lease import _proc_start_ticks
+
+        theirs = replace(mine, owner=f"host:{child.pid}:feedbeef", started=_proc_start_ticks(child.pid) or -1)
+        assert owner_status(theirs, mine) == "alive"
+        assert owner_status(replace(theirs, started=theirs.started - 1), mine) == "dead"  # the pid was reused
+    finally:
+        child.kill()
+        child.wait()
+    assert owner_status(theirs, mine) == "dead"
+    remote = replace(theirs, node="elsewhere", until=int(time.time()) + 60)
+    assert owner_status(remote, mine) == "unknown" and owner_status(replace(remote, until=1), mine) == "expired"
+    mark = MemoryMark("v3", frozenset({"kv_cache"}), lease=remote)
+    assert MemoryMark.decode(mark.encode()) == mark and MemoryMark.decode("v3") == MemoryMark("v3")
