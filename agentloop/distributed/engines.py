@@ -83,9 +83,7 @@ class EngineServer:
     def info(self) -> dict[str, Any]:
         """Where this server runs: node IP, the GPUs Ray gave the actor, the server's pid and URL."""
         proc = self.proc
-        pid = getattr(proc, "pid", None) if proc is not None else None
-        if pid is None and proc is not None and getattr(proc, "_proc", None) is not None:
-            pid = proc._proc.pid  # LocalEngineProcess keeps its Popen private
+        pid = proc.pid if proc is not None else None  # LocalEngineProcess and SGLangServer both say it
         return {
             "url": self._url,
             "kind": self.spec.kind,
