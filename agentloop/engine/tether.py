@@ -106,7 +106,7 @@ def popen_tethered(argv: Sequence[str], *, death_signal: int = signal.SIGKILL, *
     A missing executable raises FileNotFoundError here, as Popen would.
     """
     argv = [str(a) for a in argv]
-    if not TETHER_AVAILABLE:
+    if not TETHER_AVAILABLE or not sys.executable:  # (an embedded interpreter has no python to run the prologue)
         return subprocess.Popen(argv, **popen_kwargs)
     if shutil.which(argv[0]) is None:
         raise FileNotFoundError(2, "No such file or directory", argv[0])
