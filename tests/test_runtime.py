@@ -7,7 +7,8 @@
   aborted ones continue next step;
 - over-sampling returns exactly the target number of complete groups and carries the rest over;
 - killing one of two engine servers mid-step loses no trajectory.
-The `replay` agent loop drives a tiny random model (no tool-calling ability needed for these).
+The `replay` agent loop drives a tiny random model (no tool-calling ability needed for these). The
+servers come from the module's `EnginePool` (a server is reused only while it is as good as new).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import anyio
 import pytest
@@ -23,11 +24,11 @@ from safetensors.torch import load_file
 
 from agentloop.engine.base import EngineError, SamplingParams
 from agentloop.engine.lifecycle import EngineState
-from agentloop.engine.local.process import LocalEngineProcess
 from agentloop.engine.sglang import SGLangClient
 from agentloop.models.random_model import make_random_model
 from agentloop.runtime import Runtime
 from agentloop.types import Sample
+from engine_pool import EnginePool
 
 pytestmark = pytest.mark.anyio
 
@@ -43,6 +44,13 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("rt") / "model", seed=1)
+
+
+@pytest.fixture(scope="module")
+def pool(model_dir: Path) -> Iterator[EnginePool]:
+    engines = EnginePool(model_dir)
+    yield engines
+    engines.close_sync()
 
 
 def replay_samples(n: int, turns: list[dict[str, Any]], prefix: str = "s") -> list[Sample]:
@@ -87,8 +95,8 @@ def stage_names(rt: Runtime, first: int, phase: str) -> list[str]:
 
 
 @pytest.mark.slow
-async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: Path) -> None:
-    async with LocalEngineProcess(model_dir) as proc:
+async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
         client = StateRecordingClient(SGLangClient(proc.url))
         rt = Runtime({"engine": {"tokenizer": str(model_dir)}, "scheduler": {"n": 2}}, clients=[client])
         client.runtime = rt
@@ -140,86 +148,85 @@ async def test_steps_wake_in_stages_and_generation_only_while_awake(model_dir: P
 
 
 @pytest.mark.slow
-async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path) -> None:
+async def test_sleep_mid_step_aborts_settles_then_resumes(model_dir: Path, pool: EnginePool) -> None:
     # A first turn long enough (1000 tokens) that no machine finishes it in the 0.2 s before the sleep.
-    cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"concurrency": 4},
-           "agent": {"max_new_tokens_per_turn": 1000, "max_response_tokens": 1100}}
-    async with Runtime(cfg) as rt:
-        in_flight_at_release: list[int] = []
-        c = rt.clients[0]
-        release = c.release_memory_occupation
+    async with pool.servers(1) as (proc,):
+        cfg = {"engine": {"urls": [proc.url], "tokenizer": str(model_dir)}, "scheduler": {"concurrency": 4},
+               "agent": {"max_new_tokens_per_turn": 1000, "max_response_tokens": 1100}}
+        async with Runtime(cfg) as rt:
+            in_flight_at_release: list[int] = []
+            c = rt.clients[0]
+            release = c.release_memory_occupation
 
-        async def recording_release(tags=None):
-            in_flight_at_release.append(rt.lifecycle.in_flight())
-            return await release(tags)
+            async def recording_release(tags=None):
+                in_flight_at_release.append(rt.lifecycle.in_flight())
+                return await release(tags)
 
-        c.release_memory_occupation = recording_release  # type: ignore[method-assign]
-        long = [{"gen_tokens": 1000, "tool_latency_s": 0.0, "tool_result_tokens": 2}, {"gen_tokens": 4}]
-        samples = replay_samples(4, long)
-        box: dict[str, Any] = {}
+            c.release_memory_occupation = recording_release  # type: ignore[method-assign]
+            long = [{"gen_tokens": 1000, "tool_latency_s": 0.0, "tool_result_tokens": 2}, {"gen_tokens": 4}]
+            samples = replay_samples(4, long)
+            box: dict[str, Any] = {}
 
-        async def step() -> None:
-            box["res"] = await rt.step(samples)
+            async def step() -> None:
+                box["res"] = await rt.step(samples)
 
-        with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(step)
-                while rt.lifecycle.in_flight() < 4:
-                    await anyio.sleep(0.01)
-                await anyio.sleep(0.2)
-                await rt.sleep()
-        res = box["res"]
-        assert in_flight_at_release == [0]  # the mid-step sleep released with nothing in flight (the step's own sleep is a no-op)
-        assert res.trajectories == [] and len(res.carry_over) == 4
-        partial = [c.resume_from for c in res.carry_over]
-        assert all(p is not None and p.status == "aborted" for p in partial)
-        assert all(len(p.response_ids) < 1000 for p in partial)
-        assert sum(len(p.response_ids) for p in partial) > 0  # the tokens sampled before the abort are kept
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(step)
+                    while rt.lifecycle.in_flight() < 4:
+                        await anyio.sleep(0.01)
+                    await anyio.sleep(0.2)
+                    await rt.sleep()
+            res = box["res"]
+            assert in_flight_at_release == [0]  # the mid-step sleep released with nothing in flight (the step's own sleep is a no-op)
+            assert res.trajectories == [] and len(res.carry_over) == 4
+            partial = [c.resume_from for c in res.carry_over]
+            assert all(p is not None and p.status == "aborted" for p in partial)
+            assert all(len(p.response_ids) < 1000 for p in partial)
+            assert sum(len(p.response_ids) for p in partial) > 0  # the tokens sampled before the abort are kept
 
-        res2 = await rt.step(res.carry_over)  # step 2: the partials continue and finish
-        assert [t.status for t in res2.trajectories] == ["completed"] * 4
-        for t, p in zip(res2.trajectories, partial):
-            t.check_invariants()
-            assert t.response_ids[: len(p.response_ids)] == p.response_ids
-            assert len(t.response_ids) == 1000 + 2 + 4
-
-
-@pytest.mark.slow
-async def test_oversampling_exact_target_and_carry_over(model_dir: Path) -> None:
-    cfg = {"engine": {"model": str(model_dir)}, "scheduler": {"n": 2, "target_groups": 2, "concurrency": 8}}
-    async with Runtime(cfg) as rt:
-        quick = replay_samples(2, short_turns(2, 4), prefix="q")
-        slow = replay_samples(2, short_turns(2, 30), prefix="z")
-        res = await rt.step(quick + slow)
-        assert sorted({t.group_id for t in res.trajectories}) == ["q0", "q1"]
-        assert len(res.trajectories) == 4 and all(t.status == "completed" for t in res.trajectories)
-        assert res.batch["input_ids"].shape[0] == 4
-        assert sorted(c.uid for c in res.carry_over) == ["z0_0", "z0_1", "z1_0", "z1_1"]
-        v1 = res.weight_version
-        for c in res.carry_over:
-            assert c.resume_from is not None and c.resume_from.status == "aborted"
-            assert set(c.resume_from.weight_versions) <= {v1}
-        state_dict = load_file(str(model_dir / "model.safetensors"))
-        res2 = await rt.step(res.carry_over, state_dict, target_groups=None)
-        v2 = res2.weight_version
-        assert v2 != v1
-        assert sorted(t.uid for t in res2.trajectories) == ["z0_0", "z0_1", "z1_0", "z1_1"]
-        by = {c.uid: c.resume_from for c in res.carry_over}
-        for t in res2.trajectories:
-            t.check_invariants()
-            assert t.status == "completed" and len(t.response_ids) == 2 * 30 + 3
-            prev = by[t.uid]
-            assert t.weight_versions[: len(prev.turns)] == prev.weight_versions  # old turns keep their version
-            assert t.weight_versions[-1] == v2 and t.weight_version == v2
+            res2 = await rt.step(res.carry_over)  # step 2: the partials continue and finish
+            assert [t.status for t in res2.trajectories] == ["completed"] * 4
+            for t, p in zip(res2.trajectories, partial):
+                t.check_invariants()
+                assert t.response_ids[: len(p.response_ids)] == p.response_ids
+                assert len(t.response_ids) == 1000 + 2 + 4
 
 
 @pytest.mark.slow
-async def test_killing_one_of_two_servers_loses_no_trajectory(model_dir: Path) -> None:
-    procs = [LocalEngineProcess(model_dir), LocalEngineProcess(model_dir)]
-    async with anyio.create_task_group() as tg:
-        for p in procs:
-            tg.start_soon(p.start)
-    try:
+async def test_oversampling_exact_target_and_carry_over(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(1) as (proc,):
+        cfg = {"engine": {"urls": [proc.url], "tokenizer": str(model_dir)},
+               "scheduler": {"n": 2, "target_groups": 2, "concurrency": 8}}
+        async with Runtime(cfg) as rt:
+            quick = replay_samples(2, short_turns(2, 4), prefix="q")
+            slow = replay_samples(2, short_turns(2, 30), prefix="z")
+            res = await rt.step(quick + slow)
+            assert sorted({t.group_id for t in res.trajectories}) == ["q0", "q1"]
+            assert len(res.trajectories) == 4 and all(t.status == "completed" for t in res.trajectories)
+            assert res.batch["input_ids"].shape[0] == 4
+            assert sorted(c.uid for c in res.carry_over) == ["z0_0", "z0_1", "z1_0", "z1_1"]
+            v1 = res.weight_version
+            for c in res.carry_over:
+                assert c.resume_from is not None and c.resume_from.status == "aborted"
+                assert set(c.resume_from.weight_versions) <= {v1}
+            state_dict = load_file(str(model_dir / "model.safetensors"))
+            res2 = await rt.step(res.carry_over, state_dict, target_groups=None)
+            v2 = res2.weight_version
+            assert v2 != v1
+            assert sorted(t.uid for t in res2.trajectories) == ["z0_0", "z0_1", "z1_0", "z1_1"]
+            by = {c.uid: c.resume_from for c in res.carry_over}
+            for t in res2.trajectories:
+                t.check_invariants()
+                assert t.status == "completed" and len(t.response_ids) == 2 * 30 + 3
+                prev = by[t.uid]
+                assert t.weight_versions[: len(prev.turns)] == prev.weight_versions  # old turns keep their version
+                assert t.weight_versions[-1] == v2 and t.weight_version == v2
+
+
+@pytest.mark.slow
+async def test_killing_one_of_two_servers_loses_no_trajectory(model_dir: Path, pool: EnginePool) -> None:
+    async with pool.servers(2) as procs:
         cfg = {"engine": {"urls": [p.url for p in procs], "tokenizer": str(model_dir)},
                "scheduler": {"concurrency": 8, "trajectory_timeout": 120}}
         async with Runtime(cfg) as rt:
@@ -245,6 +252,3 @@ async def test_killing_one_of_two_servers_loses_no_trajectory(model_dir: Path) -
             assert rt.lifecycle.urls == [procs[0].url]
             res2 = await rt.step(replay_samples(4, short_turns()))  # step 2 on the survivor
             assert [t.status for t in res2.trajectories] == ["completed"] * 4
-    finally:
-        for p in procs:
-            await p.stop()
