@@ -19,9 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 HEADER = ("benchmark", "command", "date", "git_commit", "versions", "hardware", "settings", "engine")
 
 
-def run_smoke(script: str, out: Path) -> dict:
+def bench_command(script: str, out: Path, *, via_cli: bool = False) -> list[str]:
+    """`python benchmarks/NAME.py --smoke --out OUT`, or the same run through `python -m agentloop bench`."""
+    if via_cli:
+        return [sys.executable, "-m", "agentloop", "bench", script, "--smoke", "--out", str(out)]
+    return [sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out)]
+
+
+def run_smoke(script: str, out: Path, *, via_cli: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out)], cwd=REPO, env=env,
+    proc = subprocess.run(bench_command(script, out, via_cli=via_cli), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     path = out / f"{script}_cpu_smoke.json"
@@ -37,6 +44,14 @@ def run_smoke(script: str, out: Path) -> dict:
         assert v in report["versions"], f"{script}: versions lack {v}"
     assert report["hardware"]["cpu"] is not None and "gpu" in report["hardware"]
     return report
+
+
+@pytest.fixture(scope="module")
+def long_tail_via_cli(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """long_tail's smoke run, once for the module, through `python -m agentloop bench` (the way
+    tests/test_cli_bench.py's users run it): both its report test and the CLI's end-to-end test read it."""
+    out = tmp_path_factory.mktemp("long_tail")
+    return run_smoke("long_tail", out, via_cli=True), out
 
 
 @pytest.mark.slow
@@ -78,8 +93,8 @@ def test_lifecycle_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_long_tail_smoke(tmp_path: Path) -> None:
-    r = run_smoke("long_tail", tmp_path)
+def test_long_tail_smoke(long_tail_via_cli: tuple[dict, Path]) -> None:
+    r, _ = long_tail_via_cli
     s = r["settings"]
     for mode in ("wait_all", "oversample"):
         steps = r["steps"][mode]
@@ -125,3 +140,17 @@ def test_openai_endpoint_smoke(tmp_path: Path) -> None:
     assert row["tool_calls_per_step"] > 0 and row["openai_calls_per_step"] > 0
     assert {x["agent"] for x in r["runs"]} == {"tool", "openai"}
     assert all(x["statuses"]["failed"] == 0 for x in r["runs"])
+
+
+@pytest.mark.slow
+def test_smoke_run_through_the_cli(long_tail_via_cli: tuple[dict, Path]) -> None:
+    """A real benchmark end to end through `python -m agentloop bench` (its --smoke configuration).
+    (`agentloop bench`'s other tests are in tests/test_cli_bench.py; this one shares long_tail's run.)"""
+    report, out = long_tail_via_cli
+    assert report["benchmark"] == "long_tail" and report["complete"] is True
+    assert report["command"].startswith("python benchmarks/long_tail.py --smoke --out")
+    assert (out / "long_tail_cpu_smoke.png").read_bytes()[:4] == b"\x89PNG"
+    # The benchmark's own argument errors keep its exit status (argparse: 2).
+    bad = subprocess.run([sys.executable, "-m", "agentloop", "bench", "long_tail", "--no-such-flag"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
