@@ -331,8 +331,8 @@ def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[d
         point["agentloop_over_baseline"] = point["agentloop_over_turn_sync"]
     if "ceiling" in runs:  # what a client bound by turn order could reach (see the module docstring)
         c = point["ceiling"]
-        bound_wall = max(c["wall_s"], c["critical_path_s"])
-        point["dependency_ceiling_tokens_per_s"] = r4(c["generated_tokens"] / bound_wall)
+        # = tokens / max(ceiling wall, critical path), from the ceiling's own rate so rounding cannot lift it above
+        point["dependency_ceiling_tokens_per_s"] = r4(min(c["tokens_per_s"], c["generated_tokens"] / c["critical_path_s"]))
         point["critical_path_s"] = c["critical_path_s"]
         point["agentloop_over_dependency_ceiling"] = r4(point["agentloop"]["tokens_per_s"] / point["dependency_ceiling_tokens_per_s"])
     # The target's condition: is the mean tool latency below the mean time of a model turn?
