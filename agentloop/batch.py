@@ -26,6 +26,7 @@ or re-tokenized here.
 from __future__ import annotations
 
 import re
+from itertools import chain
 from typing import Any, Sequence, TypedDict
 
 import torch
@@ -155,33 +156,32 @@ def collate(
                 raise CollateError(f"trajectory {uid}: response of {r_len} tokens is longer than pad_to response length {want_r}")
             r_len = want_r
 
-    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
-    prompt_attn = torch.zeros((b, p_len), dtype=torch.long)
-    response_attn = torch.zeros((b, r_len), dtype=torch.long)
-    response_mask = torch.zeros((b, r_len), dtype=torch.long)
-    logprobs = torch.zeros((b, r_len), dtype=torch.float32)
-    token_rewards = torch.zeros((b, r_len), dtype=torch.float32)
-    rewards = torch.zeros(b, dtype=torch.float32)
-    versions = torch.full((b, r_len), -1, dtype=torch.long)
+    # One tensor per field for the whole batch, placed by a mask (row-major order = each row's tokens in
+    # order): a few torch calls per step instead of ~10 per trajectory, which cost ~0.1 ms per row.
+    p_lens = torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long)
+    r_lens = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long)
+    prompt_attn = (torch.arange(p_len).unsqueeze(0) >= (p_len - p_lens).unsqueeze(1)).long()  # left padding
+    response_attn = (torch.arange(r_len).unsqueeze(0) < r_lens.unsqueeze(1)).long()  # right padding
+    prompt_at, response_at = prompt_attn.bool(), response_attn.bool()
 
-    for i, t in enumerate(trajectories):
-        n_p, n_r = len(t.prompt_ids), len(t.response_ids)
-        if n_p:
-            prompts[i, p_len - n_p:] = torch.tensor(t.prompt_ids, dtype=torch.long)
-            prompt_attn[i, p_len - n_p:] = 1
-        if n_r:
-            responses[i, :n_r] = torch.tensor(t.response_ids, dtype=torch.long)
-            response_attn[i, :n_r] = 1
-            mask = torch.tensor(t.response_mask, dtype=torch.long)
-            response_mask[i, :n_r] = mask
-            # logprobs only where sampled: mask-0 positions may carry placeholders in the trajectory
-            logprobs[i, :n_r] = torch.tensor(t.response_logprobs, dtype=torch.float32) * mask
-            versions[i, :n_r] = torch.tensor(token_weight_versions(t), dtype=torch.long)
-        reward = float(t.reward) if t.reward is not None else 0.0
-        rewards[i] = reward
-        if n_r:
-            token_rewards[i, n_r - 1] = reward
+    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
+    prompts[prompt_at] = torch.tensor(list(chain.from_iterable(t.prompt_ids for t in trajectories)), dtype=torch.long)
+    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
+    responses[response_at] = torch.tensor(list(chain.from_iterable(t.response_ids for t in trajectories)), dtype=torch.long)
+    flat_mask = torch.tensor(list(chain.from_iterable(t.response_mask for t in trajectories)), dtype=torch.long)
+    response_mask = torch.zeros((b, r_len), dtype=torch.long)
+    response_mask[response_at] = flat_mask
+    # logprobs only where sampled: mask-0 positions may carry placeholders in the trajectory
+    logprobs = torch.zeros((b, r_len), dtype=torch.float32)
+    logprobs[response_at] = torch.tensor(list(chain.from_iterable(t.response_logprobs for t in trajectories)),
+                                         dtype=torch.float32) * flat_mask
+    versions = torch.full((b, r_len), -1, dtype=torch.long)
+    versions[response_at] = torch.tensor(list(chain.from_iterable(token_weight_versions(t) for t in trajectories)),
+                                         dtype=torch.long)
+    rewards = torch.tensor([float(t.reward) if t.reward is not None else 0.0 for t in trajectories], dtype=torch.float32)
+    token_rewards = torch.zeros((b, r_len), dtype=torch.float32)
+    rows = torch.nonzero(r_lens > 0).squeeze(1)
+    token_rewards[rows, r_lens[rows] - 1] = rewards[rows]
 
     attention_mask = torch.cat([prompt_attn, response_attn], dim=1)
     # Positions count real tokens only; left padding gets 0 (as HF/verl do for left-padded prompts).
@@ -198,8 +198,8 @@ def collate(
         rewards=rewards,
         trainable=torch.tensor([int(t.status in FINISHED_OK) for t in trajectories], dtype=torch.long),
         token_weight_versions=versions,
-        prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
-        response_lengths=torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.long),
+        prompt_lengths=p_lens,
+        response_lengths=r_lens,
         uids=[t.uid for t in trajectories],
         group_ids=[t.group_id for t in trajectories],
         index_in_group=[t.index_in_group for t in trajectories],
