@@ -255,8 +255,8 @@ class TokenBuffer:
         server_url: str | None = None,
     ) -> TurnRecord:
         """Append exactly the engine's ids and logprobs (mask 1) and record the turn."""
-        ids = [int(t) for t in output.output_ids]
-        lps = [float(x) for x in output.output_logprobs]
+        ids = list(map(int, output.output_ids))
+        lps = list(map(float, output.output_logprobs))
         if len(lps) != len(ids):
             raise ValueError(
                 f"engine returned {len(ids)} output ids but {len(lps)} logprobs (rid {output.rid!r}); "

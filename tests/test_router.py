@@ -167,11 +167,11 @@ async def test_stop_releases_a_request_waiting_for_a_server_slot() -> None:
             await anyio.sleep(0.05)
             tg.start_soon(call)
             await anyio.sleep(0.05)
-            assert "out" not in box and waiting._waits  # held by the full slot
+            assert "out" not in box and waiting._slot_waits  # held by the full slot
             waiting.stop("test")
             while "out" not in box:
                 await anyio.sleep(0.001)
-            assert busy.in_flight_rid is not None and not waiting._waits  # released before the busy turn ended
+            assert busy.in_flight_rid is not None and not waiting._slot_waits  # released before the busy turn ended
             assert a.generates and all(rid.startswith("busy-") for rid, _ in a.generates)
     out = box["out"]
     assert out.aborted and out.output_ids == [] and "not dispatched" in out.finish_reason["message"]

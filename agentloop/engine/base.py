@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import urllib.parse
 from dataclasses import InitVar, dataclass, field, fields
+from operator import itemgetter
 from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 #: Memory tags SGLang understands for release/resume (`cuda_graph` since ~0.5.5).
@@ -222,13 +223,13 @@ class EngineClient(Protocol):
 def parse_generate_response(body: Mapping[str, Any], *, rid: str, server_url: str = "") -> GenerateOutput:
     """Turn one SGLang `/generate` JSON object into a `GenerateOutput`, checking ids and logprobs agree."""
     meta = dict(body.get("meta_info") or {})
-    output_ids = [int(t) for t in body.get("output_ids") or []]
+    output_ids = list(map(int, body.get("output_ids") or []))
     lp_items = meta.get("output_token_logprobs")
     if lp_items is None:
         logprobs: list[float] = []
     else:
         logprobs = [float(item[0]) if item[0] is not None else float("nan") for item in lp_items]
-        lp_ids = [int(item[1]) for item in lp_items]
+        lp_ids = list(map(int, map(itemgetter(1), lp_items)))
         if lp_ids != output_ids:
             raise EngineError(
                 "/generate", 200,

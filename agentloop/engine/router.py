@@ -64,32 +64,53 @@ class PrioritySlots:
     """A semaphore of `limit` slots whose waiters are admitted lowest key first (FIFO among equal keys).
 
     A freed slot passes straight to the chosen waiter, so a newcomer cannot overtake the queue: `free`
-    is above zero only while nobody waits."""
+    is above zero only while nobody waits. A wait can also be withdrawn from outside (`withdraw`, what
+    a route session's stop does): the waiter then wakes without the slot."""
+
+    _WAITING, _GRANTED, _WITHDRAWN = 0, 1, 2
 
     def __init__(self, limit: int) -> None:
         self.free = limit
-        self._heap: list[list] = []  # [key, seq, event, live]
+        self._heap: list[list] = []  # [key, seq, event, state]
         self._seq = itertools.count()
 
-    async def acquire(self, key: tuple = ()) -> None:
+    def enqueue(self, key: tuple = ()) -> list | None:
+        """Take a free slot (None), or join the queue: the entry to pass to `wait` (and `withdraw`)."""
         if self.free > 0:
             self.free -= 1
-            return
-        entry = [key, next(self._seq), anyio.Event(), True]
+            return None
+        entry = [key, next(self._seq), anyio.Event(), self._WAITING]
         heapq.heappush(self._heap, entry)
+        return entry
+
+    async def wait(self, entry: list) -> bool:
+        """Wait for the queued `entry`: True once its slot is held, False if it was withdrawn first."""
         try:
             await entry[2].wait()
         except BaseException:
-            if entry[2].is_set():  # granted, then cancelled before it could use the slot: pass it on
+            if entry[3] == self._GRANTED:  # granted, then cancelled before it could use the slot: pass it on
                 self.release()
             else:
-                entry[3] = False  # lazily dropped by `release`
+                entry[3] = self._WITHDRAWN  # lazily dropped by `release`
             raise
+        return entry[3] == self._GRANTED
+
+    def withdraw(self, entry: list) -> None:
+        """End a queued wait without the slot (its waiter's `wait` returns False); no-op once granted."""
+        if entry[3] == self._WAITING:
+            entry[3] = self._WITHDRAWN
+            entry[2].set()
+
+    async def acquire(self, key: tuple = ()) -> None:
+        entry = self.enqueue(key)
+        if entry is not None:
+            await self.wait(entry)
 
     def release(self) -> None:
         while self._heap:
             entry = heapq.heappop(self._heap)
-            if entry[3]:
+            if entry[3] == self._WAITING:
+                entry[3] = self._GRANTED
                 entry[2].set()
                 return
         self.free += 1
@@ -258,7 +279,8 @@ class RouteSession:
         self.retries = 0
         self._closed = False
         self._stop_event = anyio.Event()  #: set by `stop()` (the Ray pool forwards stops on it)
-        self._waits: set[anyio.CancelScope] = set()  #: gate/slot waits a stop must end
+        self._waits: set[anyio.CancelScope] = set()  #: gate waits a stop must end
+        self._slot_waits: dict[int, tuple[PrioritySlots, list]] = {}  #: queued slot waits a stop withdraws
         self._idle: anyio.Event | None = None  #: made by `wait_idle` (rarely needed), not per request
 
     # ------------------------------------------------------------------ control
@@ -269,6 +291,8 @@ class RouteSession:
             self._stop_event.set()
             for scope in self._waits:
                 scope.cancel()
+            for slots, entry in self._slot_waits.values():
+                slots.withdraw(entry)
 
     @property
     def stopped(self) -> bool:
@@ -332,11 +356,18 @@ class RouteSession:
             return None
         slot = router._slot(url)
         if slot is not None:
-            key = (-len(self.rids), self.age) if router.slot_order == "depth_first" else (0, 0)
-            if slot.free > 0:
-                await slot.acquire(key)
-            elif not await self._unless_stopped(lambda: slot.acquire(key)):
+            if self.stopped:
                 return None
+            entry = slot.enqueue((-len(self.rids), self.age) if router.slot_order == "depth_first" else (0, 0))
+            if entry is not None:
+                # Most turns wait here (more trajectories than slots): the wait is withdrawn by `stop()`
+                # rather than run in a cancel scope, whose cost per turn was a visible share of the client's CPU.
+                self._slot_waits[id(entry)] = (slot, entry)
+                try:
+                    if not await slot.wait(entry):
+                        return None
+                finally:
+                    del self._slot_waits[id(entry)]
         try:
             t1 = clock()
             if t1 - t0 > 1e-4:
@@ -362,8 +393,7 @@ class RouteSession:
         """Run `wait()` unless the session is stopped first; True if `wait` completed."""
         if self.stopped:
             return False
-        # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event:
-        # most turns wait for a slot, and a task per wait was a large share of the client's CPU.
+        # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event.
         done = False
         with anyio.CancelScope() as scope:
             self._waits.add(scope)
