@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import re
 from itertools import chain
-from typing import Any, Sequence, TypedDict
+from typing import Any, Iterable, Sequence, TypedDict
 
+import numpy as np
 import torch
 
 from .types import FINISHED_OK, Trajectory
@@ -121,6 +122,12 @@ class RolloutBatch(TypedDict):
     errors: list[str | None]
 
 
+def _flat(rows: Iterable[Sequence[Any]], dtype: type) -> torch.Tensor:
+    """The rows' values end to end as one tensor: numpy converts a list of Python numbers ~3x faster than
+    `torch.tensor` (the same values: ints exact, floats rounded to float32 alike)."""
+    return torch.from_numpy(np.array(list(chain.from_iterable(rows)), dtype=dtype))
+
+
 def collate(
     trajectories: Sequence[Trajectory],
     *,
@@ -165,19 +172,17 @@ def collate(
     prompt_at, response_at = prompt_attn.bool(), response_attn.bool()
 
     prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    prompts[prompt_at] = torch.tensor(list(chain.from_iterable(t.prompt_ids for t in trajectories)), dtype=torch.long)
+    prompts[prompt_at] = _flat((t.prompt_ids for t in trajectories), np.int64)
     responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
-    responses[response_at] = torch.tensor(list(chain.from_iterable(t.response_ids for t in trajectories)), dtype=torch.long)
-    flat_mask = torch.tensor(list(chain.from_iterable(t.response_mask for t in trajectories)), dtype=torch.long)
+    responses[response_at] = _flat((t.response_ids for t in trajectories), np.int64)
+    flat_mask = _flat((t.response_mask for t in trajectories), np.int64)
     response_mask = torch.zeros((b, r_len), dtype=torch.long)
     response_mask[response_at] = flat_mask
     # logprobs only where sampled: mask-0 positions may carry placeholders in the trajectory
     logprobs = torch.zeros((b, r_len), dtype=torch.float32)
-    logprobs[response_at] = torch.tensor(list(chain.from_iterable(t.response_logprobs for t in trajectories)),
-                                         dtype=torch.float32) * flat_mask
+    logprobs[response_at] = _flat((t.response_logprobs for t in trajectories), np.float32) * flat_mask
     versions = torch.full((b, r_len), -1, dtype=torch.long)
-    versions[response_at] = torch.tensor(list(chain.from_iterable(token_weight_versions(t) for t in trajectories)),
-                                         dtype=torch.long)
+    versions[response_at] = _flat((token_weight_versions(t) for t in trajectories), np.int64)
     rewards = torch.tensor([float(t.reward) if t.reward is not None else 0.0 for t in trajectories], dtype=torch.float32)
     token_rewards = torch.zeros((b, r_len), dtype=torch.float32)
     rows = torch.nonzero(r_lens > 0).squeeze(1)

@@ -108,8 +108,11 @@ class Trajectory:
             )
         covered = [0] * n
         for t in self.turns:
-            for i in range(t.start, t.start + t.length):
-                covered[i] = 1
+            if 0 <= t.start <= t.start + t.length <= n:
+                covered[t.start:t.start + t.length] = [1] * t.length  # collate checks every token: per turn, not per id
+            else:  # out of range: the per-id loop's IndexError (or negative-index wrap), as always
+                for i in range(t.start, t.start + t.length):
+                    covered[i] = 1
         if covered != list(self.response_mask):
             raise ValueError(f"trajectory {self.uid}: response_mask does not match the recorded model turns")
         for seg in self.segments:
