@@ -54,9 +54,9 @@ class EnginePool:
         return proc
 
     async def _as_new(self, proc: LocalEngineProcess) -> bool:
-        if proc.returncode is not None or proc._proc is None:
+        if proc.returncode is not None or proc.pid is None:
             return False
-        os.kill(proc._proc.pid, signal.SIGCONT)  # a test may have left it SIGSTOPped
+        os.kill(proc.pid, signal.SIGCONT)  # a test may have left it SIGSTOPped
         try:
             with anyio.fail_after(10):
                 async with SGLangClient(proc.url) as c:
@@ -108,8 +108,8 @@ class EnginePool:
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
             for p in self.procs:
-                if p.returncode is None and p._proc is not None:
-                    os.kill(p._proc.pid, signal.SIGCONT)
+                if p.returncode is None and p.pid is not None:
+                    os.kill(p.pid, signal.SIGCONT)
                 await p.stop()
 
     def close_sync(self) -> None:
