@@ -262,8 +262,7 @@ async def open_engine(args: argparse.Namespace, *, max_running: int = 256) -> As
                                                              "--log-level", "warning"])
             url = await proc.start(timeout=180)
             try:
-                # LocalEngineProcess has no public pid; its Popen is read only to sample the server's CPU time.
-                pid = getattr(getattr(proc, "_proc", None), "pid", None)
+                pid = proc.pid  # to sample the server's CPU time
                 yield Engine("cpu", url, model_dir, model_dir, pid=pid, launched=True,
                              description={"kind": "make_random_model (qwen2)", "command": shlex.join(proc.command()),
                                           "config": _config_summary(model_dir)})
