@@ -216,6 +216,24 @@ async def test_priority_slots_admit_lowest_key_then_arrival_and_survive_cancella
     assert slots.free == 1
 
 
+async def test_priority_slots_withdrawn_wait_takes_no_slot_and_a_granted_one_keeps_it() -> None:
+    from agentloop.engine.router import PrioritySlots
+
+    slots = PrioritySlots(1)
+    assert slots.enqueue() is None  # the free slot, taken at once
+    gone, kept = slots.enqueue((0,)), slots.enqueue((1,))
+    assert gone is not None and kept is not None
+    slots.withdraw(gone)
+    with anyio.fail_after(5):
+        assert await slots.wait(gone) is False  # woken without the slot
+        slots.release()  # the freed slot skips the withdrawn entry
+        slots.withdraw(kept)  # too late: already granted
+        assert await slots.wait(kept) is True
+    assert slots.free == 0
+    slots.release()
+    assert slots.free == 1
+
+
 @pytest.mark.parametrize("order", ["depth_first", "fifo"])
 async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str) -> None:
     a = FakeEngine("http://a", token_delay=0.02)
