@@ -33,11 +33,11 @@ class FleetMixin(OwnerMixin):
     @property
     def urls(self) -> list[str]:
         """Servers in rotation."""
-        return [u for u, s in self._servers.items() if s.out is None]
+        return [s.url for s in self._in_rotation()]
 
     @property
     def clients(self) -> list[EngineClient]:
-        return [s.client for s in self._servers.values() if s.out is None]
+        return [s.client for s in self._in_rotation()]
 
     @property
     def out_of_rotation(self) -> dict[str, str]:
