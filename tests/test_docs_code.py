@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,15 @@ def test_the_docs_have_python_blocks() -> None:
         assert text.count("<!-- docs-test:") == len(re.findall(r"<!-- docs-test: compile-only \([^)]+\) -->\n```python\n", text)), doc
 
 
-@pytest.mark.parametrize("where,code,reason", BLOCKS, ids=[b[0] for b in BLOCKS])
+def _block_params() -> list[Any]:
+    """A block that runs a `Runtime` starts the embedded CPU engine and rolls out (15-30 s of wall on
+    the 2-core machine each): `slow`, so the fast subset stays fast; CI runs every block."""
+    return [pytest.param(where, code, reason, id=where,
+                         marks=[pytest.mark.slow] if reason is None and "Runtime(" in code else [])
+            for where, code, reason in BLOCKS]
+
+
+@pytest.mark.parametrize("where,code,reason", _block_params())
 def test_python_block_is_a_working_program(where: str, code: str, reason: str | None, tmp_path: Path) -> None:
     tree = compile(code, where, "exec", ast.PyCF_ONLY_AST)  # a SyntaxError names the doc and line
     imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
