@@ -163,6 +163,7 @@ async def memory_cycle(client: SGLangClient, read: Callable[[], int | None], sta
     await lc.wake_up(Weights(state_dict=sd, version=version))
     awake_after = read()
     await generate_batch(lc, client.url, 2, 4, salt=9)
+    lc.close()  # gives up its owner lease, so the next cycle's lifecycle may drive the server
     upd = next(e for e in probe.events if e["call"] == "update_weights_from_tensor")
     out: dict[str, Any] = {"mode": "staged" if staged else "one_stage", "awake_before": awake_before, "asleep": asleep,
                            "before_update": upd["before"], "peak_during_update": upd["peak"], "after_update": upd["after"],
@@ -183,19 +184,28 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             transport = (await client.server_info()).get("tensor_transport") or "cuda_ipc (sglang MultiprocessingSerializer)"
             out["weights"] = {"tensors": len(sd), "bytes": weights_bytes(sd), "mib": r4(weights_bytes(sd) / 2**20),
                               "transport": transport, "dtype": str(next(iter(sd.values())).dtype)}
-            lc = Lifecycle([client], awake=True, staged=True)
-            await generate_batch(lc, engine.url, 2, 4, salt=0)  # warm-up of the engine and the client
-            await agentloop_cycle(lc, sd, "warm-a")
-            await raw_cycle(client, sd, "warm-r")
+            async def one(way: str, salt: int, version: str) -> dict[str, dict[str, float]]:
+                # A lifecycle's marks carry its owner lease; the raw calls rewrite the weight version as a
+                # second client would, so each cycle gets a fresh lifecycle (found awake) that gives the
+                # server up (`close`) before the raw calls run.
+                lc = Lifecycle([client], awake=True, staged=True)
+                try:
+                    await generate_batch(lc, engine.url, args.requests, args.tokens, salt=salt)
+                    if way == "agentloop":
+                        return await agentloop_cycle(lc, sd, version)
+                finally:
+                    lc.close()
+                return await raw_cycle(client, sd, version)
+
+            await one("agentloop", 0, "warm-a")  # warm-up of the engine and the client
+            await one("raw", 0, "warm-r")
             cycles: dict[str, list[dict[str, dict[str, float]]]] = {"agentloop": [], "raw": []}
             for rep in range(args.repeats):
                 for way in (("agentloop", "raw") if rep % 2 == 0 else ("raw", "agentloop")):
-                    await generate_batch(lc, engine.url, args.requests, args.tokens, salt=rep)
-                    if way == "agentloop":
-                        cycles[way].append(await agentloop_cycle(lc, sd, f"a{rep}"))
-                    else:
-                        cycles[way].append(await raw_cycle(client, sd, f"r{rep}"))
+                    cycles[way].append(await one(way, rep, f"{way[0]}{rep}"))
+            lc = Lifecycle([client], awake=True, staged=True)
             await generate_batch(lc, engine.url, args.requests, args.tokens, salt=999)  # serves after the last wake
+            lc.close()
             out["timing"] = summarize_timing(cycles)
             out["cycles"] = cycles
             mem = memory_reader(engine)
