@@ -16,6 +16,7 @@ scheduler. The CPU engine checks both itself and answers 400.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 from pathlib import Path
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 TensorTransport = Literal["auto", "safetensors", "cuda_ipc"]
 
 
-class ServedModelChecks:
+class ServedModelChecks(abc.ABC):
     """Vocabulary size, parameter shapes, tensor transport and TP size of the served model, looked up
     lazily (or up front by `prepare()`), and the pre-send checks that use them."""
 
@@ -47,16 +48,18 @@ class ServedModelChecks:
     #: change while the server runs, so the lookups share one request.
     _launch_info: dict[str, Any] | None = None
 
+    @abc.abstractmethod
     async def server_info(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """`GET /server_info` of the client this mixes into."""
 
     async def launch_info(self) -> dict[str, Any]:
         if self._launch_info is None:
             self._launch_info = await self.server_info()
         return self._launch_info
 
+    @abc.abstractmethod
     async def model_info(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """`GET /model_info` of the client this mixes into."""
 
     async def resolve_vocab_size(self) -> int | None:
         """The model's vocabulary size, looked up once (see module docstring); None if unknowable."""
