@@ -66,3 +66,19 @@ def test_merge_takes_each_points_log_window(tmp_path: Path) -> None:
     rows = report.table(merged).splitlines()
     assert len(rows) == 2 and rows[0].startswith("lat 0.5s c=64:") and rows[1].startswith("lat 0.5s c=256:")
     assert all("ceiling" in r and "agentloop" in r and "cpu_s/1k" in r for r in rows)
+
+
+def test_merge_with_a_suffix_reads_the_suffixed_windows_only(tmp_path: Path) -> None:
+    """The 7B server's points share the windows file with the 0.5B ones: a suffix keeps them apart."""
+    d = tmp_path / "points7b" / "c256_l0.5"
+    d.mkdir(parents=True)
+    (d / "rollout_throughput_sglang.json").write_text(json.dumps({
+        "benchmark": "rollout_throughput", "command": "x", "settings": {"engine": "sglang"},
+        "points": [_point(256, 0.5)], "runs": [], "complete": True}))
+    log = (DECODE.format(r=256, u=0.1, g="True", t=9000.0) + "\n").encode()
+    small = len(log)
+    log += (DECODE.format(r=256, u=0.1, g="True", t=4000.0) + "\n").encode()
+    windows = {"throughput_c256_l0.5": (0, small, 0), "throughput_7b_c256_l0.5": (small, len(log), 0)}
+    merged = report.merge(tmp_path / "points7b", windows, log, "_7b")
+    assert merged is not None and merged["points"][0]["sglang_log"]["decode_gen_throughput_max"] == 4000.0
+    assert report.merge(tmp_path / "points7b", windows, log)["points"][0]["sglang_log"]["decode_gen_throughput_max"] == 9000.0

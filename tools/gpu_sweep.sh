@@ -17,8 +17,11 @@
 #                         SGLang's own "Decode batch" / "Prefill batch" log lines of each point's window are
 #                         summarised next to the client's figures (tools/gpu_sweep_report.py)
 #   4. long_tail          (after the first three points) over-sampling vs wait-for-all
-#   5. 7b                 only if SWEEP_7B_MIN (230) seconds are left: the 0.5B server is stopped, a Qwen2.5-7B-
-#                         shaped dummy server started (--mem-fraction-static 0.45), weight_update run on it
+#   5. 7b_throughput, 7b  only if SWEEP_7B_MIN (230) seconds are left: the 0.5B server is stopped, a Qwen2.5-7B-
+#                         shaped dummy server started (--mem-fraction-static SWEEP_7B_MEM=0.45; decode CUDA graphs
+#                         when 7b_throughput is asked for); 7b_throughput runs SWEEP_7B_POINTS (default
+#                         "256:0.5:ceiling,agentloop,multiturn_raw") into rollout_throughput_sweep_sglang_7b.json,
+#                         7b runs weight_update on it
 # Every part runs under `timeout` with min(its limit, what is left of SWEEP_BUDGET); a part that cannot get
 # SWEEP_MIN_PART (35) seconds is skipped and listed. SWEEP_BUDGET (default 520 s) counts from this
 # script's start: with ~20-30 s of install before it, the call stays under 9.5 minutes.
@@ -156,41 +159,53 @@ if want lifecycle || want weights || want throughput || want long_tail; then
 start_server 05b "$QWEN05" "${SWEEP_MEM:-0.5}" True || { tail -30 "$LOG"; exit 1; }
 want lifecycle && run_part lifecycle 75 lifecycle --out "$RES" $SIZE_LC
 want weights && run_part weights 60 weight_update --out "$RES" $SIZE_WU
-n=0
+run_points() {  # POINTS_DIR SUFFIX LONG_TAIL(0|1) POINT...: throughput points against $URL, then the merged report
+  local dir=$1 suffix=$2 lt=$3; shift 3
+  local n=0 pt c lat pmodes limit
+  mkdir -p "$dir"
+  for pt in "$@"; do
+    IFS=: read -r c lat pmodes <<< "$pt"
+    pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop turn_sync multiturn_raw}}
+    [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
+    limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
+    run_part "throughput${suffix}_c${c}_l${lat}" $limit rollout_throughput --out "$dir/c${c}_l${lat}" $SIZE_TP \
+      --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ }
+    [ $? = 2 ] && break
+    n=$((n + 1))
+    [ $n = 3 ] && [ "$lt" = 1 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+  done
+  [ $n -lt 3 ] && [ "$lt" = 1 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+  if [ $# -gt 0 ]; then
+    python3 tools/gpu_sweep_report.py --points "$dir" --windows "$WORK/windows.txt" --server-log "$SERVER_LOG" \
+      --out "$RES" --suffix "$suffix" 2>&1 | tee -a "$LOG" | tail -12 || say "sweep report failed"
+  fi
+}
 want throughput || POINTS=""
-for pt in $POINTS; do
-  IFS=: read -r c lat pmodes <<< "$pt"
-  pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop turn_sync multiturn_raw}}
-  [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
-  limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
-  run_part "throughput_c${c}_l${lat}" $limit rollout_throughput --out "$WORK/points/c${c}_l${lat}" $SIZE_TP \
-    --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ }
-  [ $? = 2 ] && break
-  n=$((n + 1))
-  [ $n = 3 ] && want long_tail && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
-done
-[ $n -lt 3 ] && want long_tail && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
-if [ -n "$POINTS" ]; then
-  python3 tools/gpu_sweep_report.py --points "$WORK/points" --windows "$WORK/windows.txt" --server-log "$SERVER_LOG" \
-    --out "$RES" 2>&1 | tee -a "$LOG" | tail -12 || say "sweep report failed"
-fi
+LT=0; want long_tail && LT=1
+run_points "$WORK/points" "" $LT $POINTS
 stop_server
 fi
 
-if ! want 7b; then
+POINTS_7B=${SWEEP_7B_POINTS:-"256:0.5:ceiling,agentloop,multiturn_raw"}
+if ! want 7b && ! want 7b_throughput; then
   :
-elif [ "$(left)" -ge "${SWEEP_7B_MIN:-230}" ] && [ "$DRYRUN" != 1 ]; then
+elif [ "$(left)" -ge "${SWEEP_7B_MIN:-230}" ]; then
   QWEN7="CONFIG = {'architectures': ['Qwen2ForCausalLM'], 'model_type': 'qwen2', 'hidden_size': 3584, 'intermediate_size': 18944,
   'num_hidden_layers': 28, 'num_attention_heads': 28, 'num_key_value_heads': 4, 'vocab_size': 152064,
   'max_position_embeddings': 32768, 'rms_norm_eps': 1e-6, 'rope_theta': 1000000.0, 'hidden_act': 'silu',
   'torch_dtype': 'bfloat16', 'tie_word_embeddings': False, 'bos_token_id': 151643, 'eos_token_id': 151643,
   'use_sliding_window': False, 'sliding_window': 131072, 'max_window_layers': 28, 'attention_dropout': 0.0,
   'initializer_range': 0.02, 'use_cache': True}"
-  if start_server 7b "$QWEN7" 0.45 False; then
-    mkdir -p "$WORK/w7b"
-    run_part weights_7b $(( $(left) - 15 )) weight_update --out "$WORK/w7b" --repeats 2 --bucket-mb 1024
-    cp "$WORK/w7b/weight_update_sglang.json" "$RES/weight_update_7b_sglang.json" 2>/dev/null
-    cp "$WORK/w7b/weight_update_sglang.png" "$RES/weight_update_7b_sglang.png" 2>/dev/null
+  # decode CUDA graphs only when the 7B server serves throughput points (capture costs start-up time)
+  CG7=False; want 7b_throughput && CG7=True
+  if start_server 7b "$QWEN7" "${SWEEP_7B_MEM:-0.45}" $CG7; then
+    want 7b_throughput && run_points "$WORK/points7b" _7b 0 $POINTS_7B
+    if want 7b; then
+      mkdir -p "$WORK/w7b"
+      run_part weights_7b $(( $(left) - 15 )) weight_update --out "$WORK/w7b" --repeats 2 --bucket-mb 1024
+      cp "$WORK/w7b/weight_update_sglang.json" "$RES/weight_update_7b_sglang.json" 2>/dev/null
+      cp "$WORK/w7b/weight_update_sglang.png" "$RES/weight_update_7b_sglang.png" 2>/dev/null
+    fi
   fi
   stop_server
 else
@@ -198,9 +213,10 @@ else
 fi
 
 say "skipped: ${SKIPPED[*]:-none}"
-for d in "$WORK"/points/*/; do
+for d in "$WORK"/points/*/ "$WORK"/points7b/*/; do
   [ -d "$d" ] || continue
-  for f in "$d"*.json; do [ -f "$f" ] && cp "$f" "$RES/point_$(basename "$d")_$(basename "$f")"; done
+  tag=$(basename "$d"); [[ "$d" == */points7b/* ]] && tag="7b_$tag"
+  for f in "$d"*.json; do [ -f "$f" ] && cp "$f" "$RES/point_${tag}_$(basename "$f")"; done
 done
 tar -czf "$OUTDIR/sweep_results.tgz" -C "$RES" . 2>/dev/null
 for f in "$WORK"/sglang_*.log; do

@@ -76,7 +76,8 @@ def read_windows(path: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes) -> dict[str, Any] | None:
+def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes,
+          suffix: str = "") -> dict[str, Any] | None:
     reports = []
     for d in sorted(points_dir.iterdir()) if points_dir.is_dir() else []:
         for f in d.glob("rollout_throughput_*.json"):
@@ -88,7 +89,7 @@ def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes
     merged["points"], merged["runs"], merged["point_commands"] = [], [], []
     merged["complete"] = all(r.get("complete") for _, r in reports)
     for name, r in reports:
-        win = windows.get(f"throughput_{name}")
+        win = windows.get(f"throughput{suffix}_{name}")
         for p in r.get("points", []):
             if win is not None:
                 p["sglang_log"] = parse_window(log[win[0]:win[1]].decode(errors="replace"))
@@ -154,20 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=Path, required=True, help="'name start end rc' lines: each part's log byte window")
     p.add_argument("--server-log", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--suffix", default="", help="appended to the file names, e.g. _7b for the 7B-shape points")
     a = p.parse_args(argv)
     log = a.server_log.read_bytes() if a.server_log.is_file() else b""
-    merged = merge(a.points, read_windows(a.windows), log)
+    merged = merge(a.points, read_windows(a.windows), log, a.suffix)
     if merged is None:
         print("no throughput point finished: nothing to merge")
         return 1
     engine = merged.get("settings", {}).get("engine", "sglang")
     a.out.mkdir(parents=True, exist_ok=True)
-    json_path = a.out / f"rollout_throughput_sweep_{engine}.json"
+    json_path = a.out / f"rollout_throughput_sweep_{engine}{a.suffix}.json"
     json_path.write_text(json.dumps(merged, indent=1) + "\n")
     from rollout_throughput import plot
 
-    plot(merged, a.out / f"rollout_throughput_sweep_{engine}.png")
-    plot_cpu(merged, a.out / f"rollout_throughput_sweep_cpu_{engine}.png")
+    plot(merged, a.out / f"rollout_throughput_sweep_{engine}{a.suffix}.png")
+    plot_cpu(merged, a.out / f"rollout_throughput_sweep_cpu_{engine}{a.suffix}.png")
     print(table(merged))
     print(f"wrote {json_path}")
     return 0
