@@ -288,6 +288,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                     for rep in range(args.repeats):
                         r0 = rep % len(modes)
                         for mode in modes[r0:] + modes[:r0]:  # rotate: no mode always goes first
+                            log0 = _log_size(args.server_log)
                             if mode == "ceiling":
                                 r = await run_ceiling(rt, engine, work, args.prompt_tokens, conc, weights())
                             elif mode == "turn_sync":
@@ -298,6 +299,8 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                                 r = await run_agentloop(rt, engine, work, args.prompt_tokens, args.trajectories,
                                                         weights(), f"{mode}l{lat}c{conc}r{rep}", mode=mode)
                             r.update(tool_latency_mean_s=lat, concurrency=conc, repeat=rep)
+                            if args.server_log is not None:  # this run's bytes of the server's log (tools/gpu_sweep_report.py)
+                                r["server_log_window"] = [log0, _log_size(args.server_log)]
                             runs[mode].append(r)
                             out["runs"].append(r)
                     point = summarize_point(lat, conc, spec, work, runs)
@@ -308,6 +311,13 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                           + "  ".join(f"{k} {v:.3f}" for k, v in point.items() if k.startswith("agentloop_over_")
                                       and isinstance(v, float) and not k.endswith("_of_medians")), flush=True)
     return out
+
+
+def _log_size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[dict[str, Any]]],
@@ -390,6 +400,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
                    help="what to run at each point (agentloop is always run: the ratios are agentloop's)")
     w.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-log", type=Path, default=None,
+                   help="the --engine-url server's log file: each run records its byte window of it, so the "
+                        "server's own per-batch lines can be read per mode (tools/gpu_sweep_report.py)")
     args = p.parse_args(argv)
     args.modes = ["agentloop"] + [m for m in dict.fromkeys(args.modes) if m != "agentloop"]
     if args.smoke:

@@ -82,3 +82,24 @@ def test_merge_with_a_suffix_reads_the_suffixed_windows_only(tmp_path: Path) -> 
     merged = report.merge(tmp_path / "points7b", windows, log, "_7b")
     assert merged is not None and merged["points"][0]["sglang_log"]["decode_gen_throughput_max"] == 4000.0
     assert report.merge(tmp_path / "points7b", windows, log)["points"][0]["sglang_log"]["decode_gen_throughput_max"] == 9000.0
+
+
+def test_merge_reads_each_modes_own_log_window(tmp_path: Path) -> None:
+    d = tmp_path / "points" / "c64_l0.5"
+    d.mkdir(parents=True)
+    log = b""
+    runs = []
+    for mode, tput in (("ceiling", 7000.0), ("agentloop", 3000.0)):
+        start = len(log)
+        log += (DECODE.format(r=64, u=0.1, g="True", t=tput) + "\n").encode()
+        runs.append({"mode": mode, "concurrency": 64, "tool_latency_mean_s": 0.5, "repeat": 0,
+                     "server_log_window": [start, len(log)]})
+    (d / "rollout_throughput_sglang.json").write_text(json.dumps({
+        "benchmark": "rollout_throughput", "command": "x", "settings": {"engine": "sglang"},
+        "points": [_point(64, 0.5)], "runs": runs, "complete": True}))
+    merged = report.merge(tmp_path / "points", {"throughput_c64_l0.5": (0, len(log), 0)}, log)
+    p = merged["points"][0]
+    assert p["sglang_log"]["decode_lines"] == 2
+    assert p["ceiling"]["sglang_log"]["decode_gen_throughput_max"] == 7000.0
+    assert p["agentloop"]["sglang_log"]["decode_gen_throughput_max"] == 3000.0
+    assert "sglang_log" not in p["turn_sync"]  # no window recorded for it

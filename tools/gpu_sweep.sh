@@ -169,7 +169,8 @@ run_points() {  # POINTS_DIR SUFFIX LONG_TAIL(0|1) POINT...: throughput points a
     [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
     limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
     run_part "throughput${suffix}_c${c}_l${lat}" $limit rollout_throughput --out "$dir/c${c}_l${lat}" $SIZE_TP \
-      --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ }
+      --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ } \
+      --server-log "$SERVER_LOG"
     [ $? = 2 ] && break
     n=$((n + 1))
     [ $n = 3 ] && [ "$lt" = 1 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT

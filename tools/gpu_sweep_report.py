@@ -96,6 +96,11 @@ def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes
                 p["exit_code"] = win[2]
             p["client_cpu_seconds_per_1k_tokens"] = {m: p[m].get("client_cpu_seconds_per_1k_tokens")
                                                      for m in MODES if m in p}
+            for run in r.get("runs", []):  # each mode's own window, when the benchmark was given --server-log
+                w = run.get("server_log_window")
+                same = (run.get("concurrency"), run.get("tool_latency_mean_s")) == (p["concurrency"], p["tool_latency_mean_s"])
+                if w and same and run.get("repeat", 0) == 0 and isinstance(p.get(run.get("mode")), dict):
+                    p[run["mode"]]["sglang_log"] = parse_window(log[w[0]:w[1]].decode(errors="replace"))
             merged["points"].append(p)
         merged["runs"] += r.get("runs", [])
         merged["point_commands"].append(r.get("command"))
@@ -103,7 +108,8 @@ def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes
     merged["definitions"] = dict(merged.get("definitions", {}), sglang_log=(
         "SGLang's own per-batch log lines during the point's run (all its modes together): "
         "decode gen throughput (token/s, SGLang's figure over its log interval), running requests, KV token "
-        "usage, CUDA-graph use; prefill new/cached prompt tokens"))
+        "usage, CUDA-graph use; prefill new/cached prompt tokens; <mode>.sglang_log: the same over that mode's "
+        "run alone (first repeat), where the benchmark recorded its log window"))
     return merged
 
 
