@@ -174,6 +174,9 @@ def test_two_servers_share_one_gpu_on_a_placement_group(ray_session: None, model
             assert [i["gpu_ids"] for i in info] == [["0"], ["0"]]
             assert {i["cuda_visible_devices"] for i in info} == {"0"}
             assert placement_group_table(fleet.pg)["state"] == "CREATED"
+            # ...and started them one after another (SGLang sizes its KV pool from the memory free at its start)
+            (a0, a1), (b0, b1) = sorted(tuple(i["start_window"]) for i in info)
+            assert a1 <= b0
             for url in urls:
                 client = SGLangClient(url)
                 assert "model_path" in await client.model_info()

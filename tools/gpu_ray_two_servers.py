@@ -2,11 +2,12 @@
 
     python tools/gpu_ray_two_servers.py OUT_DIR [--steps 3] [--mem-fraction 0.3] [--model DIR]
     python tools/gpu_ray_two_servers.py OUT_DIR --dry-run     # the same on CPU engines, to debug the script
-    python tools/gpu_ray_two_servers.py OUT_DIR --num-servers 1 --mem-fraction 0.6   # the one-server baseline
+    python tools/gpu_ray_two_servers.py OUT_DIR --num-servers 1 --mem-fraction 0.51  # the one-server baseline
 
 Two servers vs one at the same total memory: run it twice with the same workload, `--num-servers 2
---mem-fraction 0.3` and `--num-servers 1 --mem-fraction 0.6` (OUT_DIR/gpu_ray_<n>_servers.json each), and
-compare `sampled_tokens_per_second` per step.
+--mem-fraction 0.3` and `--num-servers 1 --mem-fraction 0.51` (OUT_DIR/gpu_ray_<n>_servers.json each), and
+compare `sampled_tokens_per_second` per step. The servers on one GPU start one after another and each
+one's fraction is SGLang's: of the memory free at its start, so 0.3 then 0.3 hold ~0.30 + ~0.21 of the GPU.
 
 What it does: starts a local Ray cluster with the GPU, launches two SGLang server actors with
 `num_gpus=0.5` each on one placement group (so both land on the same GPU; `--mem-fraction-static`

@@ -8,9 +8,11 @@ the actor, so the actor is not on the hot path.
 - `kind="local"`: the CPU reference engine (`LocalEngineProcess`, i.e. `agentloop serve`).
 - `kind="sglang"`: `python -m sglang.launch_server` through `agentloop.engine.launch.SGLangServer`.
   Ray sets `CUDA_VISIBLE_DEVICES` for an actor that asks for `num_gpus`, and the server inherits it,
-  so two servers with `num_gpus=0.5` share one GPU (give each a `mem_fraction_static` below 0.5).
+  so two servers with `num_gpus=0.5` share one GPU. They start one after another (see
+  `EngineFleet._start_groups`): each one's `mem_fraction_static` is SGLang's, a fraction of the GPU memory
+  free when that server starts (0.3 and 0.3 on an empty GPU: ~30% and ~21% of it).
 
-`EngineFleet` starts servers concurrently. GPU servers are placed on one placement group (a bundle
+`EngineFleet` starts servers on different GPUs concurrently. GPU servers are placed on one placement group (a bundle
 of `{"GPU": num_gpus, "CPU": num_cpus}` per server, strategy PACK by default) so the fleet is
 reserved atomically: all servers get their GPUs or none start. Servers bind `127.0.0.1` unless
 `host="node"`, which binds the node's cluster IP so workers on other machines can reach them.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -57,8 +60,10 @@ class EngineServer:
         self.spec = EngineSpec(**spec)
         self.proc: Any = None
         self._url: str | None = None
+        self._start_window: tuple[float, float] | None = None
 
     async def start(self, timeout: float) -> str:
+        t0 = time.time()
         s = self.spec
         host = ray.util.get_node_ip_address() if s.host == "node" else s.host
         if s.kind == "local":
@@ -75,10 +80,15 @@ class EngineServer:
             cfg = SGLangLaunchConfig(model_path=s.model_path, host=host, extra_args=tuple(s.extra_args), **kw)
             self.proc = SGLangServer(cfg, log_path=s.log_path)
         self._url = await self.proc.start(timeout=timeout)
+        self._start_window = (t0, time.time())
         return self._url
 
     def url(self) -> str | None:
         return self._url
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor (no CUDA context is made to read them)."""
+        return [str(g) for g in ray.get_gpu_ids()]
 
     def info(self) -> dict[str, Any]:
         """Where this server runs: node IP, the GPUs Ray gave the actor, the server's pid and URL."""
@@ -88,10 +98,11 @@ class EngineServer:
             "url": self._url,
             "kind": self.spec.kind,
             "node_ip": ray.util.get_node_ip_address(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "gpu_ids": self.gpu_ids(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": pid,
             "alive": self.alive(),
+            "start_window": self._start_window,  # wall-clock seconds: launch began, server ready
         }
 
     def alive(self) -> bool:
@@ -112,6 +123,18 @@ class EngineServer:
 
 
 EngineServerActor = ray.remote(EngineServer)
+
+
+async def _gather(refs: Sequence[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        out[i] = await refs[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(refs)):
+            tg.start_soon(one, i)
+    return out
 
 
 class EngineFleet:
@@ -159,23 +182,44 @@ class EngineFleet:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=i)
             self.actors.append(EngineServerActor.options(**opts).remote(asdict(spec)))
-        refs = [a.start.remote(timeout) for a in self.actors]
-        urls: list[str | None] = [None] * len(refs)
+        urls: list[str | None] = [None] * len(self.actors)
         errors: list[str] = []
 
         async def one(i: int) -> None:
             try:
-                urls[i] = await refs[i]
+                urls[i] = await self.actors[i].start.remote(timeout)
             except Exception as e:  # say which server failed; the others are stopped by the caller's stop()
                 errors.append(f"engine server {i} ({self.specs[i].kind}, {self.specs[i].model_path}): {e}")
 
+        async def in_turn(group: list[int]) -> None:
+            for i in group:
+                if errors:
+                    return
+                await one(i)
+
         async with anyio.create_task_group() as tg:
-            for i in range(len(refs)):
-                tg.start_soon(one, i)
+            for group in await self._start_groups():
+                tg.start_soon(in_turn, group)
         if errors:
             raise RuntimeError("; ".join(errors))
         self.urls = [u for u in urls if u is not None]
         return list(self.urls)
+
+    async def _start_groups(self) -> list[list[int]]:
+        """Server indices grouped by the GPUs Ray gave their actors; each group starts one after another.
+
+        sglang 0.5.17 sizes its KV pool as `free memory now - free memory at its start x (1 - mem_fraction)`,
+        so a neighbour on the same GPU that allocates between those two readings leaves it a negative
+        budget ("Loaded weights leave no GPU memory for the KV cache", seen on an H200 with two servers
+        of num_gpus=0.5). Servers started one after another each measure the memory left by the ones
+        before (so `mem_fraction_static` is a fraction of what is free when that server starts)."""
+        if not 0 < self.num_gpus < 1:
+            return [[i] for i in range(len(self.actors))]
+        gpus = [tuple(g) for g in await _gather([a.gpu_ids.remote() for a in self.actors])]
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, g in enumerate(gpus):
+            groups.setdefault(g, []).append(i)
+        return list(groups.values())
 
     async def info(self) -> list[dict[str, Any]]:
         out = []
