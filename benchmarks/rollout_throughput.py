@@ -355,7 +355,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     lats = sorted({p["tool_latency_mean_s"] for p in report["points"]})
     fig, axes = plt.subplots(1, len(lats), figsize=(5.2 * len(lats), 4.2), squeeze=False)
-    styles = {"ceiling": ("k--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
+    styles = {"ceiling": ("kD--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
               "turn_sync": ("s-", "turn-synchronous"), "multiturn_raw": ("^:", "bare multi-turn client"),
               "agentloop_depth_first": ("x-.", "agentloop, depth-first slots")}
     for ax, lat in zip(axes[0], lats):

@@ -103,3 +103,25 @@ def test_merge_reads_each_modes_own_log_window(tmp_path: Path) -> None:
     assert p["ceiling"]["sglang_log"]["decode_gen_throughput_max"] == 7000.0
     assert p["agentloop"]["sglang_log"]["decode_gen_throughput_max"] == 3000.0
     assert "sglang_log" not in p["turn_sync"]  # no window recorded for it
+
+
+def _merged_point(conc: int, lat: float) -> dict:
+    p = _point(conc, lat)
+    return dict(p, client_cpu_seconds_per_1k_tokens={m: p[m]["client_cpu_seconds_per_1k_tokens"] for m in ("ceiling", "agentloop")})
+
+
+def test_combine_keeps_every_calls_points_with_its_commit(tmp_path: Path) -> None:
+    a = {"benchmark": "rollout_throughput_sweep", "git_commit": "aaa", "date": "d1", "hardware": {"gpu": "H200"},
+         "settings": {"engine": "sglang", "trajectories": 8, "turns": 2, "gen_median": 4.0},
+         "points": [_merged_point(256, 2.0)], "runs": [{"mode": "ceiling"}], "point_commands": ["x"], "complete": True}
+    b = dict(a, git_commit="bbb", points=[_merged_point(256, 0.05)], point_commands=["y"])
+    out = report.combine([a, b])
+    assert [p["tool_latency_mean_s"] for p in out["points"]] == [0.05, 2.0]
+    assert [p["git_commit"] for p in out["points"]] == ["bbb", "aaa"]
+    assert out["point_commands"] == ["x", "y"] and len(out["runs"]) == 2 and out["complete"]
+    files = []
+    for i, d in enumerate((a, b)):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(d))
+    assert report.main(["--combine", *map(str, files), "--out", str(tmp_path / "o"), "--suffix", "_c"]) == 0
+    assert json.loads((tmp_path / "o" / "rollout_throughput_sweep_sglang_c.json").read_text())["points"][1]["git_commit"] == "aaa"

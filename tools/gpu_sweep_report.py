@@ -10,6 +10,7 @@ to set against the client's tokens/s and explain the ceiling. Plots: tokens/s pe
 benchmark's own plot), and client CPU-seconds per 1k generated tokens with SGLang's decode throughput.
 
     python tools/gpu_sweep_report.py --points DIR --windows FILE --server-log LOG --out DIR
+    python tools/gpu_sweep_report.py --combine A.json B.json ... --out DIR --suffix _c256   # sweeps of several device calls
 """
 
 from __future__ import annotations
@@ -113,6 +114,21 @@ def merge(points_dir: Path, windows: dict[str, tuple[int, int, int]], log: bytes
     return merged
 
 
+def combine(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sweep reports of several device calls (each already merged, with its log figures) as one: the first
+    one's header, every point, run and command; each point keeps the commit its call ran (`git_commit`)."""
+    out = {k: v for k, v in docs[0].items() if k not in ("points", "runs", "point_commands", "complete")}
+    out["points"], out["runs"], out["point_commands"] = [], [], []
+    for d in docs:
+        for p in d.get("points", []):
+            out["points"].append(dict(p, git_commit=d.get("git_commit"), date=d.get("date")))
+        out["runs"] += d.get("runs", [])
+        out["point_commands"] += d.get("point_commands", [])
+    out["complete"] = all(d.get("complete") for d in docs)
+    out["points"].sort(key=lambda p: (p["tool_latency_mean_s"], p["concurrency"]))
+    return out
+
+
 def table(merged: dict[str, Any]) -> str:
     """One line per point: tokens/s and client CPU-seconds per 1k tokens of each mode it ran, the ratios, SGLang's log."""
     rows = []
@@ -157,14 +173,20 @@ def plot_cpu(merged: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--points", type=Path, required=True, help="folder of per-point result folders")
-    p.add_argument("--windows", type=Path, required=True, help="'name start end rc' lines: each part's log byte window")
-    p.add_argument("--server-log", type=Path, required=True)
+    p.add_argument("--points", type=Path, help="folder of per-point result folders")
+    p.add_argument("--windows", type=Path, help="'name start end rc' lines: each part's log byte window")
+    p.add_argument("--server-log", type=Path)
+    p.add_argument("--combine", type=Path, nargs="+", help="merged sweep JSONs of several calls, instead of the three above")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--suffix", default="", help="appended to the file names, e.g. _7b for the 7B-shape points")
     a = p.parse_args(argv)
-    log = a.server_log.read_bytes() if a.server_log.is_file() else b""
-    merged = merge(a.points, read_windows(a.windows), log, a.suffix)
+    if a.combine:
+        merged: dict[str, Any] | None = combine([json.loads(f.read_text()) for f in a.combine])
+    elif a.points and a.windows and a.server_log:
+        log = a.server_log.read_bytes() if a.server_log.is_file() else b""
+        merged = merge(a.points, read_windows(a.windows), log, a.suffix)
+    else:
+        p.error("give --points, --windows and --server-log, or --combine")
     if merged is None:
         print("no throughput point finished: nothing to merge")
         return 1
