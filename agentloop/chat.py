@@ -206,7 +206,7 @@ class TokenBuffer:
                 tokenizer, messages, tools=self.tools, add_generation_prompt=True,
                 chat_template_kwargs=self.chat_template_kwargs,
             )
-        self.prompt_ids: list[int] = [int(t) for t in prompt_ids]
+        self.prompt_ids: list[int] = list(map(int, prompt_ids))
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.response_logprobs: list[float] = []
@@ -282,7 +282,7 @@ class TokenBuffer:
 
     def append_tokens(self, ids: Sequence[int]) -> None:
         """Append non-sampled tokens verbatim (mask 0), e.g. a replayed tool result. Closes the open turn."""
-        self._extend_fixed([int(t) for t in ids])
+        self._extend_fixed(list(map(int, ids)))
         self._open_turn_start = None
 
     def _extend_fixed(self, ids: list[int]) -> None:

@@ -210,6 +210,13 @@ class SchedulerConfig(_Strict):
     server_failure_threshold: int = Field(
         2, ge=1, description="Consecutive failed requests after which a server is taken out of the rotation."
     )
+    gc_freeze: bool = Field(
+        False,
+        description="Freeze the garbage collector's view of the objects that exist when a step starts "
+        "(gc.freeze) until it ends (gc.unfreeze), so the step's collections skip the trainer's heap: less client "
+        "CPU per token in a process with a large heap. Process-wide while the step runs (cycles among older "
+        "objects are collected after it); skipped if anything else has frozen objects. See agentloop.gc_scope.",
+    )
 
     @field_validator("group_filter")
     @classmethod

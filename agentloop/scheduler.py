@@ -55,6 +55,7 @@ from . import rewards
 from .agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
 from .config import SchedulerConfig
 from .engine.router import RouteSession, Router
+from .gc_scope import frozen_heap
 from .group_filters import GroupFilter, get_group_filter
 from .types import FINISHED_OK, STATUSES, Sample, TimelineEvent, Trajectory
 
@@ -159,7 +160,8 @@ class Scheduler:
         run = _ScheduleRun(self, config or self.config, on_trajectory, more_samples)
         self._runs.append(run)
         try:
-            return await run.run(samples)
+            with frozen_heap(run.cfg.gc_freeze):
+                return await run.run(samples)
         finally:
             self._runs.remove(run)
 

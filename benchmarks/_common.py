@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import importlib.metadata
 import itertools
 import json
@@ -457,7 +458,9 @@ def workload_stats(work: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def filler_ids(n: int, salt: int = 0, low: int = 3, high: int = 200) -> list[int]:
     """`n` deterministic token ids in [low, high) (valid in every test vocabulary), differing by salt."""
     span = high - low
-    return [low + (salt * 7919 + 31 * i) % span for i in range(n)]
+    # numpy, exact in int64: the ceiling's requests carry whole contexts of these (a loop per id was a
+    # visible share of every mode's client CPU)
+    return (low + (salt * 7919 + 31 * np.arange(max(n, 0), dtype=np.int64)) % span).tolist()
 
 
 # ------------------------------------------------------------------ what the engine was doing
@@ -479,6 +482,60 @@ def interval_stats(intervals: Sequence[tuple[float, float]], t0: float, t1: floa
     return {"engine_has_work_fraction": r4(busy / wall), "mean_requests_in_flight": r4(area / wall)}
 
 
+class GcTimer:
+    """CPU seconds the garbage collector ran between `__enter__` and `__exit__` (part of the process's
+    CPU time), and collections per generation. With a trainer's heap a full collection is a visible share."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._t0
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
+
+
+def add_client_args(p: argparse.ArgumentParser, *, gc_freeze: bool = True) -> None:
+    """The client-process options of the client-CPU measurements (`--gc-freeze` where no mode says it)."""
+    g = p.add_argument_group("client process")
+    g.add_argument("--trainer-heap", action="store_true",
+                   help="hold what a trainer's process holds: transformers imported and a Qwen2-0.5B-shaped model "
+                        "built on the meta device (~360k objects the garbage collector walks on a full collection; "
+                        "the GPU runs' client holds this and more: sglang's serializer)")
+    if gc_freeze:
+        g.add_argument("--gc-freeze", action="store_true",
+                       help="agentloop runs with scheduler.gc_freeze (the step's collections skip the older heap)")
+
+
+def trainer_heap(enabled: bool) -> dict[str, Any]:
+    """With `enabled`, build the `--trainer-heap` objects (kept alive by the returned dict); the number
+    of objects the garbage collector tracks, either way."""
+    out: dict[str, Any] = {}
+    if enabled:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+        with torch.device("meta"):
+            out["model"] = AutoModelForCausalLM.from_config(cfg)
+    gc.collect()
+    out["gc_tracked_objects"] = len(gc.get_objects())
+    return out
+
+
 class BusySampler:
     """Samples how busy the engine is while a run goes on.
 
@@ -490,6 +547,7 @@ class BusySampler:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._gc = GcTimer()
         self._proc: subprocess.Popen[str] | None = None
         self._samples: list[float] = []
         self._thread: threading.Thread | None = None
@@ -506,6 +564,7 @@ class BusySampler:
             return None
 
     def __enter__(self) -> "BusySampler":
+        self._gc.__enter__()
         self._t0 = time.perf_counter()
         self._own0 = time.process_time()
         cpu = self._cpu_seconds()
@@ -532,7 +591,10 @@ class BusySampler:
         wall = time.perf_counter() - self._t0
         # This process's own CPU time: on a small shared machine the client competes with the engine.
         own = time.process_time() - self._own0
+        self._gc.__exit__()
         self._result["client_cpu_seconds"] = r4(own)
+        self._result["client_gc_seconds"] = r4(self._gc.seconds)
+        self._result["client_gc_full_collections"] = self._gc.collections[2]
         self._result["client_cpu_busy_fraction"] = r4(own / max(wall, 1e-9))
         cpu = self._cpu_seconds()
         if cpu is not None and self._cpu0 >= 0:

@@ -20,7 +20,6 @@ inflates both ways alike; the ratio comes from the unprofiled pass).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import io
@@ -29,19 +28,22 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    GcTimer,
+    add_client_args,
     benchmark_parser,
     filler_ids,
     open_engine,
     r4,
     run_benchmark,
     runtime_config,
+    trainer_heap,
     versioned_weights,
 )
 
@@ -86,28 +88,9 @@ async def run_agentloop(rt: Runtime, work: list[list[dict[str, Any]]], args: arg
     samples = [Sample(uid=f"{tag}-{i}", messages=[], agent="replay",
                       extra={"replay": {"prompt_tokens": args.prompt_tokens, "turns": turns}})
                for i, turns in enumerate(work)]
-    res = await rt.step(samples, weights, concurrency=args.trajectories)
+    extra = {"gc_freeze": True} if args.gc_freeze else {}  # only when asked: older trees lack the setting
+    res = await rt.step(samples, weights, concurrency=args.trajectories, **extra)
     return int(res.metrics["sampled_tokens"])
-
-
-@contextlib.contextmanager
-def gc_timer() -> Iterator[list[float]]:
-    """Seconds the garbage collector ran inside the block (in `[0]` when it ends): part of the CPU
-    measured, and with a large heap (torch is imported) one full collection is a visible share."""
-    acc = [0.0]
-    t0 = [0.0]
-
-    def cb(phase: str, _info: dict[str, int]) -> None:
-        if phase == "start":
-            t0[0] = time.process_time()
-        else:
-            acc[0] += time.process_time() - t0[0]
-
-    gc.callbacks.append(cb)
-    try:
-        yield acc
-    finally:
-        gc.callbacks.remove(cb)
 
 
 def top(prof: cProfile.Profile, key: str, n: int) -> list[dict[str, Any]]:
@@ -147,6 +130,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with open_engine(args, max_running=max(256, args.concurrency)) as engine:
         out["engine"] = engine.description
+        heap = trainer_heap(args.trainer_heap)
+        out["client_gc_tracked_objects"] = heap["gc_tracked_objects"]
         cfg = runtime_config(engine, argparse.Namespace(gen_max=args.gen_tokens, turns=args.turns),
                              concurrency=args.trajectories, per_server_concurrency=args.concurrency)
         cfg["agent"]["max_context_tokens"] += args.prompt_tokens  # long prompts must not hit the context budget
@@ -171,20 +156,23 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     if prof is not None:
                         prof.enable()
-                    with gc_timer() as gc_s:
+                    with GcTimer() as gct:
                         c0, w0 = time.process_time(), time.perf_counter()
                         tokens = await run(mode, a, tag)
                         c, w = time.process_time() - c0, time.perf_counter() - w0
                     if prof is not None:
                         prof.disable()
-                    return tokens, c, w, gc_s[0]
+                    full_collections[mode].append(gct.collections[2])
+                    return tokens, c, w, gct.seconds
                 finally:
                     if mode == "bare":
                         await lc.sleep()
 
+            full_collections: dict[str, list[int]] = {"bare": [], "agentloop": []}
             warm = argparse.Namespace(**{**vars(args), "trajectories": 4})
             for mode in ("agentloop", "bare"):
                 await measured(mode, warm, "warm")
+            full_collections = {"bare": [], "agentloop": []}
             cpu: dict[str, list[float]] = {"bare": [], "agentloop": []}
             gcs: dict[str, list[float]] = {"bare": [], "agentloop": []}
             for rep in range(args.repeats):
@@ -197,6 +185,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             out["cpu_seconds_per_1k_tokens"] = {m: r4(sorted(v)[len(v) // 2]) for m, v in cpu.items()}
             out["cpu_seconds_per_1k_tokens_all"] = {m: [r4(x) for x in v] for m, v in cpu.items()}
             out["gc_seconds_all"] = {m: [r4(x) for x in v] for m, v in gcs.items()}
+            out["gc_full_collections_all"] = {m: list(v) for m, v in full_collections.items()}
             out["agentloop_over_bare_cpu"] = r4(out["cpu_seconds_per_1k_tokens"]["agentloop"] /
                                                 out["cpu_seconds_per_1k_tokens"]["bare"])
             profiles = {}
@@ -249,6 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--pstats", action="store_true", help="also write the raw .pstats files next to the JSON")
+    add_client_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.trajectories, args.turns, args.repeats, args.top = 8, 2, 1, 10
@@ -262,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         "top_own / top_cumulative": "cProfile with a CPU-time clock, one extra pass of each way",
         "gc_seconds_all": "CPU seconds the garbage collector ran during each unprofiled run (included in its CPU); "
                           "every run starts after a gc.collect()",
+        "client_gc_tracked_objects": "objects the garbage collector tracked before the runs (--trainer-heap adds a "
+                                     "trainer's: transformers and a 0.5B-shaped model on the meta device)",
+        "--gc-freeze": "agentloop ran with scheduler.gc_freeze (settings.gc_freeze)",
     }, measure, plot)
 
 

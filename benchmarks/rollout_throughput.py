@@ -17,6 +17,8 @@ ways against the same engine, in one process, for each (tool-latency mean, concu
 - **multiturn_raw**: the smallest correct multi-turn client — one task per trajectory, turn, tool
   sleep, next turn, at most c requests in flight (FIFO) — with none of agentloop's machinery: what
   agentloop's own overhead is measured against;
+- **agentloop_gc_freeze** (only with `--modes`): agentloop with `scheduler.gc_freeze` (the step's
+  garbage collections skip the objects that existed before it; see `agentloop.gc_scope`);
 - **agentloop_depth_first** (only with `--modes`): agentloop with `scheduler.slot_order: depth_first`
   instead of the default `fifo` (a trajectory back from its tool goes before fresh first turns).
   (`agentloop_fifo`, the name of the other order's mode in the H200 sweep of 2026-12-03, when
@@ -56,6 +58,7 @@ from _common import (  # noqa: E402
     BusySampler,
     Engine,
     WorkloadSpec,
+    add_client_args,
     add_turn_args,
     benchmark_parser,
     filler_ids,
@@ -70,6 +73,7 @@ from _common import (  # noqa: E402
     runtime_config,
     save_figure,
     title_suffix,
+    trainer_heap,
     versioned_weights,
     warm_up_spec,
     workload_spec,
@@ -82,7 +86,7 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 MODES = ("ceiling", "agentloop", "turn_sync", "multiturn_raw")
-ALL_MODES = MODES + ("agentloop_depth_first", "agentloop_fifo")
+ALL_MODES = MODES + ("agentloop_depth_first", "agentloop_fifo", "agentloop_gc_freeze")
 
 
 def _params(n: int) -> SamplingParams:
@@ -234,7 +238,9 @@ async def run_agentloop(rt: Runtime, engine: Engine, work: list[list[dict[str, A
     # "agentloop" runs the configured default (fifo); agentloop_fifo is the 2026-12-03 sweep's explicit name for it
     order = "depth_first" if mode == "agentloop_depth_first" else "fifo"
     with BusySampler(engine) as bs:
-        res = await rt.step(samples, weights, concurrency=conc, slot_order=order)
+        # gc_freeze only when asked: the same script measures older trees (without the setting) side by side
+        extra = {"gc_freeze": True} if mode == "agentloop_gc_freeze" else {}
+        res = await rt.step(samples, weights, concurrency=conc, slot_order=order, **extra)
     bad = [t for t in res.trajectories if t.status != "completed"]
     if bad:
         raise RuntimeError(f"agentloop: {len(bad)} trajectories not completed, e.g. {bad[0].uid}: {bad[0].status} {bad[0].error}")
@@ -268,6 +274,8 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     async with open_engine(args, max_running=max(256, max(args.concurrency))) as engine:
         out["engine"] = engine.description
         weights = versioned_weights(engine)
+        heap = trainer_heap(args.trainer_heap)
+        out["client_gc_tracked_objects"] = heap["gc_tracked_objects"]
 
         specs = [workload_spec(args, trajectories=args.trajectories, tool_latency_dist=args.tool_latency_dist,
                                tool_latency_mean=lat)
@@ -330,11 +338,20 @@ def summarize_point(lat: float, conc: int, spec: WorkloadSpec, work: list[list[d
         point[mode] = m
     # Paired: each repeat runs the modes back to back, so a ratio within a repeat sees one background load;
     # the median of those is the headline (robust to load drifting between repeats on a shared machine).
-    for other in (m for m in ("ceiling", "turn_sync", "multiturn_raw", "agentloop_depth_first", "agentloop_fifo") if m in runs):
+    for other in (m for m in ("ceiling", "turn_sync", "multiturn_raw", "agentloop_depth_first", "agentloop_fifo",
+                              "agentloop_gc_freeze") if m in runs):
         paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["agentloop"], runs[other])]
         point[f"agentloop_over_{other}"] = r4(median(paired))
         point[f"agentloop_over_{other}_per_repeat"] = [r4(x) for x in paired]
         point[f"agentloop_over_{other}_of_medians"] = r4(point["agentloop"]["tokens_per_s"] / point[other]["tokens_per_s"])
+    # Client CPU per generated token, paired within a repeat like the throughput ratios: agentloop's own cost
+    # against a client without its machinery (the issue's target: <= 2x the ceiling client's).
+    for a in (m for m in ("agentloop", "agentloop_gc_freeze", "agentloop_depth_first") if m in runs):
+        for b in (m for m in ("ceiling", "multiturn_raw") if m in runs):
+            key = "client_cpu_seconds_per_1k_tokens"
+            paired = [x[key] / y[key] for x, y in zip(runs[a], runs[b]) if key in x and key in y and y[key] > 0]
+            if paired:
+                point[f"client_cpu_{a}_over_{b}"] = r4(median(paired))
     # The issue names the two headline ratios agentloop/ceiling and agentloop/baseline; the turn-synchronous
     # design is that baseline. Same value under the issue's name; the old key stays for existing readers.
     if "turn_sync" in runs:
@@ -357,7 +374,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(lats), figsize=(5.2 * len(lats), 4.2), squeeze=False)
     styles = {"ceiling": ("kD--", "ceiling (independent requests)"), "agentloop": ("o-", "agentloop"),
               "turn_sync": ("s-", "turn-synchronous"), "multiturn_raw": ("^:", "bare multi-turn client"),
-              "agentloop_depth_first": ("x-.", "agentloop, depth-first slots")}
+              "agentloop_depth_first": ("x-.", "agentloop, depth-first slots"),
+              "agentloop_gc_freeze": ("d-", "agentloop, scheduler.gc_freeze")}
     for ax, lat in zip(axes[0], lats):
         pts = sorted((p for p in report["points"] if p["tool_latency_mean_s"] == lat), key=lambda p: p["concurrency"])
         xs = [p["concurrency"] for p in pts]
@@ -403,6 +421,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-log", type=Path, default=None,
                    help="the --engine-url server's log file: each run records its byte window of it, so the "
                         "server's own per-batch lines can be read per mode (tools/gpu_sweep_report.py)")
+    add_client_args(p, gc_freeze=False)  # the agentloop_gc_freeze mode runs agentloop with it, side by side
     args = p.parse_args(argv)
     args.modes = ["agentloop"] + [m for m in dict.fromkeys(args.modes) if m != "agentloop"]
     if args.smoke:
@@ -423,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         "multiturn_raw": "one task per trajectory (turn, tool sleep, next turn), at most `concurrency` requests in "
                          "flight (FIFO), through the same Lifecycle.generate: a bare correct multi-turn client",
         "agentloop_depth_first": "agentloop with scheduler.slot_order=depth_first (default fifo)",
+        "agentloop_gc_freeze": "agentloop with scheduler.gc_freeze (gc.freeze for the step: its collections skip the "
+                               "objects older than the step)",
+        "client_gc_seconds": "CPU seconds this process's garbage collector ran during the run (part of "
+                             "client_cpu_seconds); client_gc_full_collections: full collections among them",
+        "client_gc_tracked_objects": "objects the garbage collector tracked before the sweep (--trainer-heap adds a "
+                                     "trainer's: transformers and a 0.5B-shaped model on the meta device)",
         "critical_path_s": "the longest trajectory's chain: its turns' on-server seconds in the ceiling run plus its "
                            "tool latencies; no client respecting turn order finishes sooner at that per-request speed",
         "dependency_ceiling_tokens_per_s": "generated tokens / max(ceiling wall, critical_path_s)",

@@ -67,3 +67,11 @@ def test_smoke_runs_write_outside_the_checkout(tmp_path: Path) -> None:
     assert common.result_paths(args, "long_tail")[0] == tmp_path / "long_tail_cpu_smoke.json"  # an explicit --out wins
     real = common.benchmark_parser("x").parse_args([])
     assert common.result_paths(real, "long_tail")[0] == common.RESULTS / "long_tail_cpu.json"
+
+
+def test_filler_ids_are_the_per_token_formula() -> None:
+    """The benchmarks' filler contexts (numpy) are the ids the per-token loop gave, as plain ints."""
+    common = bench_module("_common")
+    for n, salt in [(0, 0), (1, 5), (256, 3), (4000, 123456)]:
+        ids = common.filler_ids(n, salt=salt)
+        assert ids == [3 + (salt * 7919 + 31 * i) % 197 for i in range(n)] and all(type(t) is int for t in ids)

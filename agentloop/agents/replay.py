@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 
 from ..types import Sample, Trajectory
 from .base import AgentContext, AgentLoop, register_agent
@@ -63,9 +64,12 @@ def parse_spec(spec: Any, where: str = "sample.extra['replay']") -> tuple[int | 
 
 
 def _fixed_ids(seed: str, n: int, low: int, high: int) -> list[int]:
+    """`[low + (crc32(seed) + 7919 * i) % span for i in range(n)]`, computed in numpy (exact in int64):
+    the prompt and every tool result of a replayed trajectory, so a Python loop per token here was a
+    visible share of the benchmark client's CPU."""
     base = zlib.crc32(seed.encode())
     span = max(1, high - low)
-    return [low + (base + 7919 * i) % span for i in range(n)]
+    return (low + (base + 7919 * np.arange(max(n, 0), dtype=np.int64)) % span).tolist()
 
 
 @register_agent
