@@ -456,11 +456,12 @@ def workload_stats(work: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def filler_ids(n: int, salt: int = 0, low: int = 3, high: int = 200) -> list[int]:
-    """`n` deterministic token ids in [low, high) (valid in every test vocabulary), differing by salt."""
-    span = high - low
-    # numpy, exact in int64: the ceiling's requests carry whole contexts of these (a loop per id was a
-    # visible share of every mode's client CPU)
-    return (low + (salt * 7919 + 31 * np.arange(max(n, 0), dtype=np.int64)) % span).tolist()
+    """`n` deterministic token ids in [low, high) (valid in every test vocabulary): a numpy PCG64 stream
+    seeded by `salt`, so each salt has its own sequence (no prefix shared across salts for the engine to
+    cache) and `filler_ids(m, s)` is a prefix of `filler_ids(n, s)` for m <= n (the ceiling's turns
+    extend their trajectory's context)."""
+    rng = np.random.default_rng(abs(int(salt)))
+    return (low + rng.integers(0, high - low, size=max(n, 0), dtype=np.int64)).tolist()
 
 
 # ------------------------------------------------------------------ what the engine was doing

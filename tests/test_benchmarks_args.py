@@ -69,9 +69,13 @@ def test_smoke_runs_write_outside_the_checkout(tmp_path: Path) -> None:
     assert common.result_paths(real, "long_tail")[0] == common.RESULTS / "long_tail_cpu.json"
 
 
-def test_filler_ids_are_the_per_token_formula() -> None:
-    """The benchmarks' filler contexts (numpy) are the ids the per-token loop gave, as plain ints."""
+def test_filler_ids_are_per_salt_prefix_consistent_streams() -> None:
+    """The benchmarks' filler contexts: plain ints in range, deterministic, each salt its own sequence
+    (no prefix shared across trajectories), and a shorter context a prefix of a longer one."""
     common = bench_module("_common")
     for n, salt in [(0, 0), (1, 5), (256, 3), (4000, 123456)]:
         ids = common.filler_ids(n, salt=salt)
-        assert ids == [3 + (salt * 7919 + 31 * i) % 197 for i in range(n)] and all(type(t) is int for t in ids)
+        assert ids == common.filler_ids(n, salt=salt) and len(ids) == n
+        assert all(type(t) is int and 3 <= t < 200 for t in ids)
+        assert common.filler_ids(n // 3, salt=salt) == ids[: n // 3]
+    assert len({tuple(common.filler_ids(8, salt=i)) for i in range(1024)}) == 1024
