@@ -35,17 +35,19 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
   short).
 
 Each trajectory gets `metrics` (queue/wait/generate/tool seconds) and "queue"/"wait" timeline spans.
+
+Layout: this module runs the trajectories (`Scheduler`, `_ScheduleRun`: one trajectory's agent loop,
+failure isolation, scoring); `scheduler_groups.py` keeps the group accounting (completion, filter,
+refill, early stop, carry-over), `scheduler_watch.py` the deadlines, the server watchdog and stopping
+sessions, `scheduler_result.py` turns a finished run into a `ScheduleResult`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import time
 import traceback
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 
 import anyio
@@ -57,7 +59,10 @@ from .config import SchedulerConfig
 from .engine.router import RouteSession, Router
 from .gc_scope import frozen_heap
 from .group_filters import GroupFilter, get_group_filter
-from .types import FINISHED_OK, STATUSES, Sample, TimelineEvent, Trajectory
+from .scheduler_groups import _Group, expand_samples
+from .scheduler_result import ResultMixin, ScheduleResult
+from .scheduler_watch import WatchMixin
+from .types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -65,47 +70,6 @@ __all__ = ["ScheduleResult", "Scheduler", "expand_samples"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 RewardFn = Callable[..., Any]  #: sync or async; see `agentloop.rewards.call_reward`
-
-
-@dataclass
-class ScheduleResult:
-    """What one `Scheduler.run` produced."""
-
-    #: Finished trajectories (every status), in input order; excludes those carried over.
-    trajectories: list[Trajectory]
-    #: Samples to pass to the next step: members of groups not finished this step (partial rollout).
-    carry_over: list[Sample] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    #: Trajectories of complete groups the group filter rejected (not in `trajectories`).
-    rejected: list[Trajectory] = field(default_factory=list)
-
-
-def expand_samples(samples: Sequence[Sample], n: int) -> list[Sample]:
-    """Fresh samples → `n` group members each; members (non-empty `group_id`) pass through once."""
-    jobs: list[Sample] = []
-    for s in samples:
-        if not isinstance(s, Sample):
-            raise TypeError(f"scheduler: expected agentloop.types.Sample, got {type(s).__name__}")
-        if s.group_id:
-            jobs.append(s)
-            continue
-        for i in range(n):
-            uid = s.uid if n == 1 else f"{s.uid}_{i}"
-            jobs.append(dataclasses.replace(s, uid=uid, group_id=s.uid, index_in_group=i))
-    seen: Counter[str] = Counter(j.uid for j in jobs)
-    dups = sorted(u for u, c in seen.items() if c > 1)
-    if dups:
-        raise ValueError(f"scheduler: trajectory uids must be unique within a step; duplicated: {dups[:5]}")
-    return jobs
-
-
-class _Group:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.done = 0
-        self.ok = 0
-        self.counted = False  # accepted: one of the first `target_groups` complete groups that pass the filter
-        self.rejected = False  # complete, but the group filter rejected it
 
 
 class Scheduler:
@@ -177,7 +141,7 @@ class Scheduler:
             run.stop(reason)
 
 
-class _ScheduleRun:
+class _ScheduleRun(ResultMixin, WatchMixin):
     """The state of one `Scheduler.run` call."""
 
     def __init__(self, sched: Scheduler, cfg: SchedulerConfig, on_trajectory: OnTrajectory | None,
@@ -230,20 +194,6 @@ class _ScheduleRun:
             outer.cancel_scope.cancel()  # every trajectory is done: the watchers end
         wall = self.clock() - t0
         return self._result(wall)
-
-    def _add_jobs(self, jobs: Sequence[Sample]) -> range:
-        """Register group members (the step's samples, or a prompt drawn later); their indices."""
-        first = len(self.jobs)
-        self.jobs.extend(jobs)
-        self.uids.update(j.uid for j in jobs)
-        self.results.extend([None] * len(jobs))
-        added: dict[str, list[int]] = {}
-        for i, j in enumerate(jobs, start=first):
-            added.setdefault(j.group_id, []).append(i)
-        for g, idx in added.items():
-            self.members.setdefault(g, []).extend(idx)
-            self.groups[g] = _Group(len(self.members[g]))
-        return range(first, len(self.jobs))
 
     # ------------------------------------------------------------------ one trajectory
     async def _one(self, i: int, limit: anyio.Semaphore, t_queued: float) -> None:
@@ -312,47 +262,6 @@ class _ScheduleRun:
         self._annotate(traj, job, session)
         return traj
 
-    def _add_deadline(self, deadline: float, i: int) -> None:
-        heapq.heappush(self.deadlines, (deadline, i))
-        if self.deadlines[0][1] == i:
-            self._deadline_added.set()  # an earlier deadline than the watcher sleeps for
-
-    async def _watch_servers(self, hung_timeout: float) -> None:
-        """The step watchdog (one task per run): takes out servers that stopped answering (see `Router.take_out_stalled`),
-        checked a few times per `hung_timeout` so a hung server is found at most a quarter of it late."""
-        while True:
-            await anyio.sleep(min(5.0, hung_timeout / 4))
-            await self.s.router.take_out_stalled(hung_timeout)
-
-    async def _watch_deadlines(self) -> None:
-        """One task for the whole run (not one per trajectory): stops trajectories past their timeout."""
-        while True:
-            while self.deadlines and self.deadlines[0][1] not in self.sessions:
-                heapq.heappop(self.deadlines)  # finished before its deadline
-            self._deadline_added = anyio.Event()
-            if not self.deadlines:
-                await self._deadline_added.wait()
-                continue
-            deadline, i = self.deadlines[0]
-            now = self.clock()
-            if now < deadline:
-                with anyio.move_on_after(deadline - now):
-                    await self._deadline_added.wait()
-                continue
-            heapq.heappop(self.deadlines)
-            self.timed_out.add(i)
-            assert self.tg is not None
-            self.tg.start_soon(self._stop_session, self.sessions[i], "timeout")
-
-    async def _stop_session(self, session: RouteSession, reason: str) -> None:
-        session.stop(reason)
-        # A request dispatched just before the stop may not be registered on its server yet: repeat the
-        # abort until the session has nothing in flight.
-        while session.in_flight_rid is not None:
-            await self.s.router.abort([session.in_flight_rid])
-            with anyio.move_on_after(0.2):
-                await session.wait_idle()
-
     def _empty(self, job: Sample, status: str, error: str) -> Trajectory:
         prev = job.resume_from
         if prev is not None:  # keep what the earlier step produced
@@ -400,171 +309,6 @@ class _ScheduleRun:
             traj.status, traj.error = "failed", f"reward failed: {error}"
             log.warning("reward of %s failed: %s", traj.uid, error)
 
-    # ------------------------------------------------------------------ groups and early stop
-    async def _finish(self, i: int, traj: Trajectory) -> None:
-        self.results[i] = traj
-        job = self.jobs[i]
-        g = self.groups[job.group_id]
-        g.done += 1
-        g.ok += traj.status in FINISHED_OK
-        target = self.cfg.target_groups
-        if not self.grouped:
-            if not self._carry(traj):
-                await self._emit([i])
-            return
-        if g.done < g.size:
-            return
-        idx = self.members[job.group_id]
-        if g.ok == g.size:
-            if target is not None and self.complete_groups >= target:
-                return  # past the target: carried over
-            if not self._accepts(job.group_id):
-                g.rejected = True
-                self.rejected_groups += 1
-                self._refill()
-                return
-            g.counted = True
-            self.complete_groups += 1
-            await self._emit(idx)
-            if self.complete_groups == target:
-                self._early_stop()
-            self._refill()
-        elif not any(self._carry(self.results[k]) for k in idx):
-            await self._emit(idx)  # finished with a failure: final, not carried, not counted
-            self._refill()
-
-    def _accepts(self, group_id: str) -> bool:
-        """The group filter's verdict on a complete group (no filter: accepted). A filter that raises
-        keeps the group (its data is not thrown away for the filter's fault) and is counted."""
-        if self.filter is None:
-            return True
-        group = [self.results[k] for k in self.members[group_id]]
-        try:
-            return bool(self.filter(group))  # type: ignore[arg-type]
-        except Exception:
-            self.filter_errors += 1
-            log.error("group filter %r failed on group %s (group kept):\n%s", self.cfg.group_filter, group_id, traceback.format_exc())
-            return True
-
-    def _refill(self) -> None:
-        """Draw fresh prompts from `more_samples` while accepted + unfinished groups fall short of the target."""
-        target = self.cfg.target_groups
-        if self.more is None or target is None or self.stopping or self.tg is None or self.limit is None:
-            return
-        pending = sum(1 for g in self.groups.values() if g.done < g.size)
-        budget = self.cfg.group_budget
-        while self.complete_groups + pending < target:
-            if budget is not None and len(self.groups) >= budget:
-                self.refill_stop = f"group_budget of {budget} groups reached"
-                return
-            try:
-                sample = next(self.more)
-                jobs = expand_samples([sample], self.cfg.n)
-                clash = sorted({j.uid for j in jobs} & self.uids | {j.group_id for j in jobs} & self.groups.keys())
-                if clash:
-                    raise ValueError(f"uid/group {clash[:3]} already in this step")
-            except StopIteration:
-                self.more, self.refill_stop = None, "more_samples exhausted"
-                return
-            except (TypeError, ValueError) as e:  # a bad sample from the source: stop drawing, keep the step
-                self.more, self.refill_stop = None, f"more_samples gave a bad sample: {e}"
-                log.error("scheduler: %s", self.refill_stop)
-                return
-            for k in self._add_jobs(jobs):
-                self.tg.start_soon(self._one, k, self.limit, self.clock())
-            pending += 1
-
-    def _early_stop(self) -> None:
-        log.info("target of %d complete groups reached: stopping %d running trajectories", self.cfg.target_groups, len(self.sessions))
-        self.stop("early stop: target groups reached", early=True)
-
-    def stop(self, reason: str, *, early: bool = False) -> None:
-        self.external_stop = self.external_stop or not early
-        self.stopping = True
-        self.stop_reason = reason
-        if self.tg is None:
-            return
-        for session in list(self.sessions.values()):
-            self.tg.start_soon(self._stop_session, session, reason)
-
-    async def _emit(self, idx: Sequence[int]) -> None:
-        if self.on_trajectory is None:
-            return
-        for k in idx:
-            r = self.on_trajectory(self.results[k])  # type: ignore[arg-type]
-            if r is not None:
-                await r
-
-    def _carry(self, traj: Trajectory | None) -> bool:
-        """Unfinished (aborted without error, or never started) trajectories are carried over."""
-        return traj is None or (traj.status == "aborted" and traj.error is None)
-
-    def _is_final(self, i: int) -> bool:
-        traj = self.results[i]
-        group = self.groups[self.jobs[i].group_id]
-        if self.grouped:
-            if group.counted:
-                return True
-            if group.rejected:
-                return False
-            return not any(self._carry(self.results[k]) for k in self.members[self.jobs[i].group_id]) and group.ok < group.size
-        return not self._carry(traj)
-
-    def _result(self, wall: float) -> ScheduleResult:
-        final: list[Trajectory] = []
-        carry: list[Sample] = []
-        rejected: list[Trajectory] = []
-        for i, job in enumerate(self.jobs):
-            traj = self.results[i]
-            if self.groups[job.group_id].rejected:
-                rejected.append(traj)  # type: ignore[arg-type]
-                continue
-            if self._is_final(i):
-                final.append(traj)  # type: ignore[arg-type]
-                continue
-            if traj is None:  # never started: as it came (with its earlier partial, if partial rollout is on)
-                carry.append(dataclasses.replace(job, resume_from=job.resume_from if self.cfg.partial_rollout else None))
-            elif traj.status == "aborted" and not self.cfg.partial_rollout:
-                carry.append(dataclasses.replace(job, resume_from=None))  # restarts from its prompt
-            else:
-                carry.append(dataclasses.replace(job, resume_from=traj))
-        sampled = sum(sum(t.response_mask) for t in final)
-        statuses = Counter(t.status for t in final)
-        target = self.cfg.target_groups
-        # Short of the target because the prompts (or the budget) ran out, not because of a sleep.
-        short = target - self.complete_groups if target is not None and not self.external_stop else 0
-        complete = sum(1 for g, idx in self.members.items()
-                       if all(self._is_final(k) for k in idx) and self.groups[g].ok == self.groups[g].size)
-        return ScheduleResult(
-            trajectories=final,
-            carry_over=carry,
-            rejected=rejected,
-            metrics={
-                "rollout_seconds": wall,
-                "trajectories": len(final),
-                "carried_over": len(carry),
-                "started": sum(r is not None for r in self.results),
-                "complete_groups": complete,
-                "groups_accepted": complete,
-                "groups_rejected": self.rejected_groups,
-                "groups_sampled": len(self.groups),
-                "groups_budget_exhausted": max(0, short),
-                "budget_exhausted": short > 0,
-                "group_filter": self.cfg.group_filter,
-                "group_filter_errors": self.filter_errors,
-                "refill_stop": self.refill_stop,
-                "status_counts": {s: statuses.get(s, 0) for s in STATUSES},
-                "sampled_tokens": sampled,
-                "sampled_tokens_per_second": sampled / wall if wall > 0 else 0.0,
-                "tool_calls": sum(t.tool_calls for t in final),
-                "queue_seconds": sum(t.metrics.get("queue_seconds", 0.0) for t in final),
-                "wait_seconds": sum(t.metrics.get("wait_seconds", 0.0) for t in final),
-                "generate_seconds": sum(t.metrics.get("generate_seconds", 0.0) for t in final),
-                "tool_seconds": sum(t.metrics.get("tool_seconds", 0.0) for t in final),
-                "route_retries": self.s.router.stats.retries,
-                "servers_removed": dict(self.s.router.stats.removed),
-            },
-        )
 
 
 def with_overrides(config: SchedulerConfig, overrides: Mapping[str, Any]) -> SchedulerConfig:
