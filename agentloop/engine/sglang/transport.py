@@ -20,6 +20,10 @@ an unanswered request (it answers errors with a status), so that close is its id
 write and the request was never read; a server that died while it held the request refuses the
 repeat's connection, so nothing runs twice. A failure after the response started is never repeated.
 Each server's reachability is logged once per change (unreachable, reachable again), not per request.
+
+Response bodies are capped (`max_response_bytes`, 256 MiB: a 32k-token generate with 20 top logprobs
+per token is ~20 MB): a server that answers with an endless or enormous body gets an `EngineError`
+naming the endpoint instead of growing this process until the trainer is killed for memory.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from .. import wire_json
 from ..base import EngineError, EngineUnavailable, engine_url
 from .error_body import error_message
 
-__all__ = ["DEFAULT_KEEPALIVE_SECONDS", "SGLANG_KEEPALIVE_SECONDS", "HttpTransport"]
+__all__ = ["DEFAULT_KEEPALIVE_SECONDS", "DEFAULT_MAX_RESPONSE_BYTES", "SGLANG_KEEPALIVE_SECONDS", "HttpTransport",
+           "read_capped"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,27 @@ SGLANG_KEEPALIVE_SECONDS = 5.0
 DEFAULT_KEEPALIVE_SECONDS = 2.0
 #: Resends of one request after reused connections were found closed (each proven unsent).
 _MAX_STALE_RESENDS = 3
+#: The largest response body read from a server (see the module docstring).
+DEFAULT_MAX_RESPONSE_BYTES = 256 << 20
+
+
+class ResponseTooLarge(Exception):
+    """A response body passed `max_response_bytes` (raised inside `_request`, reported as EngineError)."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body of `resp`, or ResponseTooLarge once it passes `cap` bytes (declared or read)."""
+    declared = resp.content_length
+    if declared is not None and declared > cap:
+        raise ResponseTooLarge(f"{declared} bytes declared")
+    if declared is not None:  # uvicorn's JSON answers: one read, no per-chunk cost
+        return await resp.read()
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > cap:
+            raise ResponseTooLarge(f"more than {len(buf)} bytes so far")
+    return bytes(buf)
 
 
 def _closed_before_reply(e: BaseException, reused: bool) -> bool:
@@ -84,7 +110,10 @@ class HttpTransport:
     requests; `keepalive_timeout`: seconds an idle pooled connection is reused (keep it below the
     server's, `SGLANG_KEEPALIVE_SECONDS`). A caller's own `session` keeps its connector's settings,
     and without our connection-reuse tracing only connect failures are retried on it.
+    `max_response_bytes` (an attribute; set it on an instance to change it) caps every response body.
     """
+
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __init__(
         self,
@@ -174,7 +203,11 @@ class HttpTransport:
                     kwargs["json"] = body
                 async with self._get_session().request(method, self.url + endpoint, **kwargs) as resp:
                     replied = True
-                    data = await resp.read()
+                    try:
+                        data = await read_capped(resp, self.max_response_bytes)
+                    except ResponseTooLarge as big:
+                        raise EngineError(endpoint, resp.status, f"response body too large ({big}; the limit is "
+                                          f"{self.max_response_bytes} bytes): not read", url=self.url) from None
                     status = resp.status
             except (aiohttp.ClientError, *_TIMEOUT_ERRORS, OSError) as e:
                 if not replied and stale < _MAX_STALE_RESENDS and _closed_before_reply(e, conn.get("reused", False)):
