@@ -2,10 +2,14 @@
 
 - `random_model_dir` (session): a tiny random-weight Qwen2 model folder with a tokenizer.
 - `local_engine` (module): `agentloop serve` on that model as a real subprocess on a free loopback
-  port; yields its URL. Module scope keeps the suite fast (one start per module); tests that change
-  engine state (memory, weights, pause) put it back before they end.
-- `start_local_engine`: a factory for modules that need their own engine (other model, other args);
-  every engine it starts is stopped at the end of the module.
+  port; yields its URL. Tests that change engine state (memory, weights, pause) put it back before
+  they end.
+- `start_local_engine`: a factory for modules that need their own engine (other model, other args).
+  Servers come from the session's `EnginePool`s (tests/engine_pool.py, one per model and command line):
+  a module gets a server an earlier module of this session (this xdist worker) gave back only if it is
+  indistinguishable from a fresh start, else a new one; so modules share servers without seeing what
+  another left. At the end of the module its servers go back to the pool; the servers of pools not
+  used lately are stopped (`IDLE_POOLS`), the rest at the end of the session.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 import pytest
+
+from engine_pool import EnginePool
 
 # Engine subprocesses of the test suite run with one torch thread: the CI machine has 2 cores.
 ENGINE_TEST_ARGS: tuple[str, ...] = ("--num-threads", "1", "--log-level", "warning")
@@ -35,21 +41,38 @@ def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("random_model") / "qwen2-tiny", seed=0)
 
 
-@pytest.fixture(scope="module")
-def start_local_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
-    from agentloop.engine.local.process import LocalEngineProcess
+#: Pools whose idle servers outlive the module that gave them back: the most recently used ones (a
+#: few hundred MB of memory per server).
+IDLE_POOLS = 2
 
-    procs: list[LocalEngineProcess] = []
+
+@pytest.fixture(scope="session")
+def engine_pools() -> Iterator[dict[tuple[Path, tuple[str, ...]], EnginePool]]:
+    """This session's `EnginePool`s by (model folder, server arguments), the most recently used last."""
+    pools: dict[tuple[Path, tuple[str, ...]], EnginePool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close_sync()
+
+
+@pytest.fixture(scope="module")
+def start_local_engine(engine_pools: dict[tuple[Path, tuple[str, ...]], EnginePool],
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
+    handed: list[tuple[EnginePool, list[Any]]] = []
 
     def start(model_dir: Path, extra_args: Sequence[str] = ()) -> str:
-        log_path = tmp_path_factory.mktemp("engine_logs") / "serve.log"
-        proc = LocalEngineProcess(model_dir, extra_args=[*ENGINE_TEST_ARGS, *extra_args], log_path=log_path)
-        procs.append(proc)
-        return _run(lambda: proc.start(timeout=120))
+        key = (Path(model_dir).resolve(), (*ENGINE_TEST_ARGS, *extra_args))
+        pool = engine_pools.pop(key, None) or EnginePool(key[0], key[1], log_dir=tmp_path_factory.mktemp("engine_logs"))
+        engine_pools[key] = pool  # most recently used last
+        procs = _run(lambda: pool.checkout(1))
+        handed.append((pool, procs))
+        return procs[0].url
 
     yield start
-    for proc in procs:
-        _run(proc.stop)
+    for pool, procs in handed:
+        pool.checkin(procs)
+    for pool in [p for p in engine_pools.values() if p.idle][:-IDLE_POOLS]:
+        _run(pool.stop_idle)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,14 @@
-"""`EnginePool`: a test module's CPU engine servers, reused by its tests while they are as good as new.
+"""`EnginePool`: CPU engine servers of one model and command line, reused while they are as good as new.
 
 Starting `agentloop serve` costs seconds of CPU (torch and transformers imports, the model load), and
-the fault tests would otherwise each start their own servers. `checkout(n)` hands out `n` running
-servers of one model, each checked to be indistinguishable from a fresh start: alive and not stopped,
-nothing paused, released, running, waiting or held, the base weight version, and greedy tokens equal
-to those of the pool's first, freshly started server (the weights are the base ones). A server that
-fails any check is stopped and replaced by a new one, so a test never sees what an earlier one left.
-Tests may kill, stop or replace the servers they got; servers they add with `adopt` are stopped at
-`close` with the rest.
+the fault tests would otherwise each start their own servers; tests/conftest.py's `start_local_engine`
+shares them across the modules of a test session the same way. `checkout(n)` hands out `n` running
+servers, each checked to be indistinguishable from a fresh start: alive and not stopped, nothing
+paused, released, running, waiting or held, the weight version and model path a fresh start reports,
+and greedy tokens equal to those of the pool's first, freshly started server (the weights are the base
+ones). A server that fails any check is stopped and replaced by a new one, so a test never sees what an
+earlier one left. Tests may kill, stop or replace the servers they got; servers they add with `adopt`
+are stopped at `close` with the rest.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ async def greedy_tokens(url: str) -> list[int]:
         return (await c.generate(PROBE_IDS, PROBE_PARAMS)).output_ids
 
 
+async def model_identity(client: SGLangClient) -> tuple[str, str]:
+    """(weight version, model path): what a weight update or an owner's lease (kept in the version) changes."""
+    info = await client.model_info()
+    return info["weight_version"], info["model_path"]
+
+
 class EnginePool:
-    def __init__(self, model_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
-        self.model_dir, self.extra_args = model_dir, extra_args
+    def __init__(self, model_dir: Path, extra_args: tuple[str, ...] = (), *, log_dir: Path | None = None) -> None:
+        self.model_dir, self.extra_args, self.log_dir = model_dir, extra_args, log_dir
         self.procs: list[LocalEngineProcess] = []  # every server ever handed out or adopted, in order
         self._free: list[LocalEngineProcess] = []
         self.base_tokens: list[int] | None = None
+        self.base_info: tuple[str, str] | None = None  # (weight version, model path) of a fresh start
         self.started = 0  # servers this pool started (the tests' own restarts not counted)
 
     def adopt(self, proc: LocalEngineProcess) -> LocalEngineProcess:
@@ -48,7 +56,8 @@ class EnginePool:
         return proc
 
     async def _start(self) -> LocalEngineProcess:
-        proc = self.adopt(LocalEngineProcess(self.model_dir, extra_args=self.extra_args))
+        log_path = None if self.log_dir is None else self.log_dir / f"serve-{len(self.procs)}.log"
+        proc = self.adopt(LocalEngineProcess(self.model_dir, extra_args=self.extra_args, log_path=log_path))
         await proc.start()
         self.started += 1
         return proc
@@ -61,10 +70,10 @@ class EnginePool:
             with anyio.fail_after(10):
                 async with SGLangClient(proc.url) as c:
                     (state,) = (await c.server_info())["internal_states"]
-                    version = (await c.model_info())["weight_version"]
+                    info = await model_identity(c)
                 idle = not (state["paused"] or state["released_tags"] or state["num_running"] or state["num_waiting"]
                             or state["num_held"]) and state["weights_valid"]
-                return idle and version == "default" and await greedy_tokens(proc.url) == self.base_tokens
+                return idle and info == self.base_info and await greedy_tokens(proc.url) == self.base_tokens
         except Exception:  # noqa: BLE001 - any failure to answer like a fresh server disqualifies it
             return False
 
@@ -73,6 +82,8 @@ class EnginePool:
         if self.base_tokens is None:
             self._free.append(await self._start())
             self.base_tokens = await greedy_tokens(self._free[0].url)
+            async with SGLangClient(self._free[0].url) as c:
+                self.base_info = await model_identity(c)
         usable = [p for p in self._free if await self._as_new(p)]
         for p in self._free:
             if p not in usable:
@@ -104,6 +115,19 @@ class EnginePool:
             yield procs
         finally:
             self.checkin(procs)
+
+    @property
+    def idle(self) -> int:
+        """Servers checked in and not handed out again yet."""
+        return len(self._free)
+
+    async def stop_idle(self) -> None:
+        """Stop the servers waiting for a next checkout (a pool no test is likely to ask again)."""
+        free, self._free = self._free, []
+        for p in free:
+            if p.returncode is None and p.pid is not None:
+                os.kill(p.pid, signal.SIGCONT)
+            await p.stop()
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):

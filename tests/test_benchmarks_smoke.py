@@ -3,6 +3,10 @@
 Runs the scripts as a user would (a subprocess: they set the matplotlib backend and their import
 path) into a temporary folder, and checks the report's fields and the plot. No timing thresholds:
 speed is measured in `benchmarks/`, not asserted in tests.
+
+`rollout_throughput` and `lifecycle` start their own CPU engine (they read its process: CPU time,
+memory); the other random-model benchmarks attach to one running server with `--engine-url`, as
+they are run against SGLang, instead of starting one each (seconds of CPU per start).
 """
 
 from __future__ import annotations
@@ -19,16 +23,18 @@ REPO = Path(__file__).resolve().parent.parent
 HEADER = ("benchmark", "command", "date", "git_commit", "versions", "hardware", "settings", "engine")
 
 
-def bench_command(script: str, out: Path, *, via_cli: bool = False) -> list[str]:
-    """`python benchmarks/NAME.py --smoke --out OUT`, or the same run through `python -m agentloop bench`."""
+def bench_command(script: str, out: Path, *, via_cli: bool = False, engine_url: str | None = None) -> list[str]:
+    """`python benchmarks/NAME.py --smoke --out OUT [--engine-url URL]`, or the same run through
+    `python -m agentloop bench`."""
+    attach = ["--engine-url", engine_url] if engine_url else []
     if via_cli:
-        return [sys.executable, "-m", "agentloop", "bench", script, "--smoke", "--out", str(out)]
-    return [sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out)]
+        return [sys.executable, "-m", "agentloop", "bench", script, "--smoke", "--out", str(out), *attach]
+    return [sys.executable, f"benchmarks/{script}.py", "--smoke", "--out", str(out), *attach]
 
 
-def run_smoke(script: str, out: Path, *, via_cli: bool = False) -> dict:
+def run_smoke(script: str, out: Path, *, via_cli: bool = False, engine_url: str | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run(bench_command(script, out, via_cli=via_cli), cwd=REPO, env=env,
+    proc = subprocess.run(bench_command(script, out, via_cli=via_cli, engine_url=engine_url), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     path = out / f"{script}_cpu_smoke.json"
@@ -43,15 +49,17 @@ def run_smoke(script: str, out: Path, *, via_cli: bool = False) -> dict:
     for v in ("agentloop", "torch", "transformers", "sglang"):
         assert v in report["versions"], f"{script}: versions lack {v}"
     assert report["hardware"]["cpu"] is not None and "gpu" in report["hardware"]
+    if engine_url:  # it drove the running server, not one of its own
+        assert report["engine"]["attached"] == engine_url, report["engine"]
     return report
 
 
 @pytest.fixture(scope="module")
-def long_tail_via_cli(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def long_tail_via_cli(tmp_path_factory: pytest.TempPathFactory, local_engine: str) -> tuple[dict, Path]:
     """long_tail's smoke run, once for the module, through `python -m agentloop bench` (the way
     tests/test_cli_bench.py's users run it): both its report test and the CLI's end-to-end test read it."""
     out = tmp_path_factory.mktemp("long_tail")
-    return run_smoke("long_tail", out, via_cli=True), out
+    return run_smoke("long_tail", out, via_cli=True, engine_url=local_engine), out
 
 
 @pytest.mark.slow
@@ -109,8 +117,8 @@ def test_long_tail_smoke(long_tail_via_cli: tuple[dict, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_weight_update_smoke(tmp_path: Path) -> None:
-    r = run_smoke("weight_update", tmp_path)
+def test_weight_update_smoke(tmp_path: Path, local_engine: str) -> None:
+    r = run_smoke("weight_update", tmp_path, engine_url=local_engine)
     assert r["weights"]["tensors"] > 0 and r["weights"]["bytes"] > 0
     # the CPU engine takes safetensors: agentloop's own path and the one-tensor request (SGLang adds the raw ways)
     assert set(r["methods"]) == {"agentloop", "noop"}
@@ -121,8 +129,8 @@ def test_weight_update_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_client_cpu_profile_smoke(tmp_path: Path) -> None:
-    r = run_smoke("client_cpu_profile", tmp_path)
+def test_client_cpu_profile_smoke(tmp_path: Path, local_engine: str) -> None:
+    r = run_smoke("client_cpu_profile", tmp_path, engine_url=local_engine)
     cpu = r["cpu_seconds_per_1k_tokens"]
     assert cpu["bare"] > 0 and cpu["agentloop"] > 0
     assert r["agentloop_over_bare_cpu"] == pytest.approx(cpu["agentloop"] / cpu["bare"], rel=1e-3)
@@ -149,6 +157,7 @@ def test_smoke_run_through_the_cli(long_tail_via_cli: tuple[dict, Path]) -> None
     report, out = long_tail_via_cli
     assert report["benchmark"] == "long_tail" and report["complete"] is True
     assert report["command"].startswith("python benchmarks/long_tail.py --smoke --out")
+    assert report["command"].endswith(f"--engine-url {report['engine']['attached']}")
     assert (out / "long_tail_cpu_smoke.png").read_bytes()[:4] == b"\x89PNG"
     # The benchmark's own argument errors keep its exit status (argparse: 2).
     bad = subprocess.run([sys.executable, "-m", "agentloop", "bench", "long_tail", "--no-such-flag"], cwd=REPO,
