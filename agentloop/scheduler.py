@@ -205,11 +205,19 @@ class _ScheduleRun(ResultMixin, WatchMixin):
                 await self._score(prev, job)
             await self._finish(i, prev)
             return
-        async with limit:
+        # A free slot is taken without `async with limit`'s two checkpoints (a cancel-shielded round trip
+        # through the event loop per trajectory); a full limit waits for one as before.
+        try:
+            limit.acquire_nowait()
+        except anyio.WouldBlock:
+            await limit.acquire()
+        try:
             if self.stopping:  # early stop before it started: carried over untouched
                 return
             t_start = self.clock()
             traj = await self._run_agent(i, job)
+        finally:
+            limit.release()
         traj.timeline = sorted([TimelineEvent("queue", t_queued, t_start), *traj.timeline], key=lambda e: e.start)
         traj.metrics["queue_seconds"] = t_start - t_queued
         if traj.status in FINISHED_OK:

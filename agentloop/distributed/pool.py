@@ -268,7 +268,7 @@ class WorkerPool:
         async def forward_stop() -> None:
             # The driver's scheduler stops a trajectory by stopping its route session (early stop,
             # sleep mid-step); pass that on to the worker that runs it.
-            await session._stop_event.wait()
+            await session.wait_stopped()
             try:
                 await w.handle.stop_trajectory.remote(job.uid, session.stop_reason or "stopped")
             except RayActorError:

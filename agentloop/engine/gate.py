@@ -210,10 +210,8 @@ class Gate:
         m = self._members.get(url)
         if m is None:
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)
-        while True:
+        while not self.is_open:  # checked with no await between it and the increment below
             await self.wait_awake(gate_timeout)
-            if self.is_open:  # re-check: no await between this and the increment
-                break
         if self._members.get(url) is not m:
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)
         if self.on_generate is not None:

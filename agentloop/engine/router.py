@@ -222,7 +222,7 @@ class RouteSession:
         self.servers: list[str] = []  #: every server this trajectory was bound to, in order
         self.retries = 0
         self._closed = False
-        self._stop_event = anyio.Event()  #: set by `stop()` (the Ray pool forwards stops on it)
+        self._stop_event: anyio.Event | None = None  #: made by `wait_stopped` (the Ray pool's), not per trajectory
         self._waits: set[anyio.CancelScope] = set()  #: gate waits a stop must end
         self._slot_waits: dict[int, tuple[PrioritySlots, list]] = {}  #: queued slot waits a stop withdraws
         self._idle: anyio.Event | None = None  #: made by `wait_idle` (rarely needed), not per request
@@ -232,7 +232,8 @@ class RouteSession:
         """Later calls return an aborted output without dispatching (the in-flight one is aborted by rid)."""
         if self.stop_reason is None:
             self.stop_reason = reason
-            self._stop_event.set()
+            if self._stop_event is not None:
+                self._stop_event.set()
             for scope in self._waits:
                 scope.cancel()
             for slots, entry in self._slot_waits.values():
@@ -241,6 +242,14 @@ class RouteSession:
     @property
     def stopped(self) -> bool:
         return self.stop_reason is not None
+
+    async def wait_stopped(self) -> None:
+        """Return once `stop()` was called (at once if it was)."""
+        if self.stop_reason is not None:
+            return
+        if self._stop_event is None:
+            self._stop_event = anyio.Event()
+        await self._stop_event.wait()
 
     async def wait_idle(self) -> None:
         """Return once no request of this session is in flight."""
