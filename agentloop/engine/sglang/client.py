@@ -59,7 +59,7 @@ class SGLangClient(HttpTransport, ServedModelChecks):
     `tensor_transport="auto"` asks `/server_info` once which weight-tensor transport to use.
     `keepalive_timeout`: seconds an idle pooled connection is reused (keep it below the server's,
     `SGLANG_KEEPALIVE_SECONDS`). A caller's own `session` keeps its connector's settings, and without
-    our connection-reuse tracing only connect failures are retried on it.
+    our reuse-aware connector only connect failures are retried on it.
     """
 
     def __init__(
