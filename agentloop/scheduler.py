@@ -193,7 +193,12 @@ class _ScheduleRun(ResultMixin, WatchMixin):
                 self._refill()  # fewer groups given than the target: draw the rest now
             outer.cancel_scope.cancel()  # every trajectory is done: the watchers end
         wall = self.clock() - t0
-        return self._result(wall)
+        result = self._result(wall)
+        # A cancelled watcher's traceback (its frame holds `self`) keeps this run in a reference cycle that
+        # only a full garbage collection frees; let go of the trajectories here, so that they are freed when
+        # the caller drops the result rather than at some later full collection (which must also walk them).
+        self.results, self.jobs, self.more, self.groups, self.members, self.uids = [], [], None, {}, {}, set()
+        return result
 
     # ------------------------------------------------------------------ one trajectory
     async def _one(self, i: int, limit: anyio.Semaphore, t_queued: float) -> None:

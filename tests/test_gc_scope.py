@@ -93,6 +93,26 @@ async def test_scheduler_steps_with_gc_freeze_give_the_same_trajectories() -> No
     assert results[True] == results[False]
 
 
+@pytest.mark.anyio
+async def test_a_steps_trajectories_are_not_left_in_a_reference_cycle() -> None:
+    """The run's cancelled watchers leave it in a reference cycle; its trajectories must not be in it (they
+    would wait for a full collection, which must walk them too, instead of going with the result)."""
+    sched, _ = make([FakeEngine("http://a")], n=2, concurrency=3)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable stays in gc.garbage
+    try:
+        for _ in range(3):
+            res = await sched.run(samples(3))
+            assert len(res.trajectories) == 6
+            del res
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, Trajectory)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cyclic == []
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
