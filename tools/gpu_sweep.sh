@@ -11,7 +11,7 @@
 #   3. throughput points  benchmarks/rollout_throughput.py, one process per (concurrency, mean tool latency)
 #                         point of SWEEP_POINTS (default below: the c=256 / 0.5 s operating point first);
 #                         a point may name its modes: "256:0.5:ceiling,agentloop,agentloop_depth_first" (default
-#                         SWEEP_MODES: ceiling agentloop turn_sync multiturn_raw),
+#                         SWEEP_MODES: ceiling agentloop agentloop_gc_freeze turn_sync multiturn_raw),
 #                         1024 trajectories x 3 turns, heavy-tailed turn lengths, lognormal tool latency
 #                         (sigma 1); ceiling, agentloop and turn-sync each; client CPU-seconds per 1k tokens;
 #                         SGLang's own "Decode batch" / "Prefill batch" log lines of each point's window are
@@ -165,7 +165,7 @@ run_points() {  # POINTS_DIR SUFFIX LONG_TAIL(0|1) POINT...: throughput points a
   mkdir -p "$dir"
   for pt in "$@"; do
     IFS=: read -r c lat pmodes <<< "$pt"
-    pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop turn_sync multiturn_raw}}
+    pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop agentloop_gc_freeze turn_sync multiturn_raw}}
     [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
     limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
     run_part "throughput${suffix}_c${c}_l${lat}" $limit rollout_throughput --out "$dir/c${c}_l${lat}" $SIZE_TP \
