@@ -124,20 +124,21 @@ class EnginePool:
     async def stop_idle(self) -> None:
         """Stop the servers waiting for a next checkout (a pool no test is likely to ask again)."""
         free, self._free = self._free, []
-        for p in free:
-            if p.returncode is None and p.pid is not None:
-                os.kill(p.pid, signal.SIGCONT)
-            await p.stop()
+        await _stop_all(free)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
-            for p in self.procs:
-                if p.returncode is None and p.pid is not None:
-                    os.kill(p.pid, signal.SIGCONT)
-                await p.stop()
+            await _stop_all(self.procs)
 
     def close_sync(self) -> None:
         """`close` from a fixture's teardown (a fresh loop in a helper thread: none may be running here)."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(anyio.run, self.close).result()
+
+
+async def _stop_all(procs: list[LocalEngineProcess]) -> None:
+    for p in procs:
+        if p.returncode is None and p.pid is not None:
+            os.kill(p.pid, signal.SIGCONT)  # a stopped process would not act on SIGTERM
+        await p.stop()
 
