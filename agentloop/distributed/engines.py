@@ -9,7 +9,7 @@ the actor, so the actor is not on the hot path.
 - `kind="sglang"`: `python -m sglang.launch_server` through `agentloop.engine.launch.SGLangServer`.
   Ray sets `CUDA_VISIBLE_DEVICES` for an actor that asks for `num_gpus`, and the server inherits it,
   so two servers with `num_gpus=0.5` share one GPU. They start one after another (see
-  `EngineFleet._start_groups`): each one's `mem_fraction_static` is SGLang's, a fraction of the GPU memory
+  `agentloop.engine.launch.start_by_gpu`): each one's `mem_fraction_static` is SGLang's, a fraction of the GPU memory
   free when that server starts (0.3 and 0.3 on an empty GPU: ~30% and ~21% of it).
 
 `EngineFleet` starts servers on different GPUs concurrently. GPU servers are placed on one placement group (a bundle
@@ -30,6 +30,8 @@ import anyio
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..engine.launch import start_by_gpu
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +127,6 @@ class EngineServer:
 EngineServerActor = ray.remote(EngineServer)
 
 
-async def _gather(refs: Sequence[Any]) -> list[Any]:
-    out: list[Any] = [None] * len(refs)
-
-    async def one(i: int) -> None:
-        out[i] = await refs[i]
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(refs)):
-            tg.start_soon(one, i)
-    return out
-
-
 class EngineFleet:
     """Starts and stops engine server actors; `start()` returns their URLs in spec order.
 
@@ -183,43 +173,21 @@ class EngineFleet:
                     placement_group=self.pg, placement_group_bundle_index=i)
             self.actors.append(EngineServerActor.options(**opts).remote(asdict(spec)))
         urls: list[str | None] = [None] * len(self.actors)
-        errors: list[str] = []
 
-        async def one(i: int) -> None:
+        async def start(i: int) -> None:
             try:
                 urls[i] = await self.actors[i].start.remote(timeout)
             except Exception as e:  # say which server failed; the others are stopped by the caller's stop()
-                errors.append(f"engine server {i} ({self.specs[i].kind}, {self.specs[i].model_path}): {e}")
+                raise RuntimeError(f"engine server {i} ({self.specs[i].kind}, {self.specs[i].model_path}): {e}") from e
 
-        async def in_turn(group: list[int]) -> None:
-            for i in group:
-                if errors:
-                    return
-                await one(i)
-
-        async with anyio.create_task_group() as tg:
-            for group in await self._start_groups():
-                tg.start_soon(in_turn, group)
+        # Fractional GPUs may put several servers on one GPU: group them by the GPUs Ray gave their actors.
+        shared = 0 < self.num_gpus < 1
+        gpus = [tuple(await a.gpu_ids.remote()) if shared else i for i, a in enumerate(self.actors)]
+        errors = [str(e) for e in await start_by_gpu(range(len(self.actors)), gpus.__getitem__, start)]
         if errors:
             raise RuntimeError("; ".join(errors))
         self.urls = [u for u in urls if u is not None]
         return list(self.urls)
-
-    async def _start_groups(self) -> list[list[int]]:
-        """Server indices grouped by the GPUs Ray gave their actors; each group starts one after another.
-
-        sglang 0.5.17 sizes its KV pool as `free memory now - free memory at its start x (1 - mem_fraction)`,
-        so a neighbour on the same GPU that allocates between those two readings leaves it a negative
-        budget ("Loaded weights leave no GPU memory for the KV cache", seen on an H200 with two servers
-        of num_gpus=0.5). Servers started one after another each measure the memory left by the ones
-        before (so `mem_fraction_static` is a fraction of what is free when that server starts)."""
-        if not 0 < self.num_gpus < 1:
-            return [[i] for i in range(len(self.actors))]
-        gpus = [tuple(g) for g in await _gather([a.gpu_ids.remote() for a in self.actors])]
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, g in enumerate(gpus):
-            groups.setdefault(g, []).append(i)
-        return list(groups.values())
 
     async def info(self) -> list[dict[str, Any]]:
         out = []

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any, Awaitable, Callable, Hashable, Mapping, Sequence, TypeVar
 
 import anyio
 
@@ -259,31 +259,46 @@ class SGLangServer:
         await self.stop()
 
 
-async def start_servers(servers: Sequence[SGLangServer], timeout: float = 600.0) -> list[str]:
-    """Start several servers; stops all of them if one fails.
+_T = TypeVar("_T")
 
-    Servers on different GPUs start concurrently. Servers sharing a GPU start one after another:
-    sglang 0.5.17 sizes its KV pool as `free memory now - free memory at start-up x (1 - mem_fraction)`,
-    so a neighbour that allocates between those two readings can leave nothing (or a negative budget).
-    """
+
+async def start_by_gpu(items: Sequence[_T], gpus: Callable[[_T], Hashable],
+                       start: Callable[[_T], Awaitable[None]]) -> list[BaseException]:
+    """Start engine servers: those on different GPUs (`gpus(item)`) concurrently, those sharing a GPU one
+    after another. sglang 0.5.17 sizes its KV pool as `free memory now - free memory at its start x
+    (1 - mem_fraction)`, so a neighbour that allocates between those two readings leaves it nothing
+    ("Loaded weights leave no GPU memory for the KV cache", seen on an H200 with two servers started
+    together); started in turn, each measures the memory the ones before it left. Returns the errors:
+    after the first, servers not yet begun are skipped (the other GPUs' starts run to their end)."""
     errors: list[BaseException] = []
-    by_gpu: dict[tuple[int, ...] | None, list[SGLangServer]] = {}
-    for s in servers:
-        gpus = tuple(s.config.gpu_ids) if s.config is not None and s.config.gpu_ids is not None else None
-        by_gpu.setdefault(gpus, []).append(s)
+    groups: dict[Hashable, list[_T]] = {}
+    for item in items:
+        groups.setdefault(gpus(item), []).append(item)
 
-    async def one_gpu(group: list[SGLangServer]) -> None:
-        for s in group:
+    async def in_turn(group: list[_T]) -> None:
+        for item in group:
             if errors:
                 return
             try:
-                await s.start(timeout)
-            except Exception as e:  # collected: the other GPUs' servers keep starting, then all are stopped
+                await start(item)
+            except Exception as e:  # collected: the caller stops everything
                 errors.append(e)
 
     async with anyio.create_task_group() as tg:
-        for group in by_gpu.values():
-            tg.start_soon(one_gpu, group)
+        for group in groups.values():
+            tg.start_soon(in_turn, group)
+    return errors
+
+
+async def start_servers(servers: Sequence[SGLangServer], timeout: float = 600.0) -> list[str]:
+    """Start several servers (in turn where they share a GPU, see `start_by_gpu`); stops all of them if
+    one fails."""
+    async def start(s: SGLangServer) -> None:
+        await s.start(timeout)
+
+    errors = await start_by_gpu(
+        servers, lambda s: tuple(s.config.gpu_ids) if s.config is not None and s.config.gpu_ids is not None else None,
+        start)
     if errors:
         for s in servers:
             await s.stop()
