@@ -348,6 +348,16 @@ def test_agent_loop_manager_scores_with_verls_reward_loop_workers(tiny_engine: s
         assert float(scores[i]) == RewardWorkerHandle.score("arithmetic", text, qs[i // 2].answer)
 
 
+def test_agent_loop_manager_refuses_a_distillation_teacher_saying_what_to_do() -> None:
+    from omegaconf import OmegaConf
+
+    from agentloop.integrations.verl import AgentLoopManager
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 8, "response_length": 8}}})
+    with pytest.raises(ValueError, match=r"teacher_client.*does not support verl's on-policy distillation.*turn distillation off"):
+        AgentLoopManager(cfg, llm_client=object(), teacher_client=object())
+
+
 def test_drop_in_scores_a_failed_row_with_its_group_mean() -> None:
     """The drop-in must keep verl's rows and uids: a failed row is masked and scored at its group's mean,
     so verl's GRPO gives it advantage 0 and leaves the group's mean baseline as it was."""

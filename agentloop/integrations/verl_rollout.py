@@ -121,7 +121,11 @@ class AgentLoopManager:
     def __init__(self, config: Any, llm_client: Any, teacher_client: Any = None,
                  reward_loop_worker_handles: list[Any] | None = None, *, tokenizer: Any = None, tools: Any = None) -> None:
         if teacher_client is not None:
-            raise NotImplementedError("agentloop's AgentLoopManager does not run verl's distillation teacher")
+            # A configuration agentloop refuses, not a missing piece: on-policy distillation needs the teacher's
+            # logprobs on every rollout token, which this manager's trajectories do not carry.
+            raise ValueError("AgentLoopManager(teacher_client=...): agentloop's AgentLoopManager does not support "
+                             "verl's on-policy distillation (a teacher model scoring the rollouts); turn distillation "
+                             "off in the verl config, or use verl's own AgentLoopManager for that run")
         self.config = config
         rollout = config.actor_rollout_ref.rollout
         self.prompt_length = int(rollout.prompt_length)
