@@ -144,7 +144,6 @@ async def test_hanging_tool_times_out_while_others_complete():
         res = await reg.execute_calls(calls, context=ctx(), timeout=0.5, max_parallel=3)
     assert res[0].ok is False and res[0].error_kind == "timeout"
     assert res[0].content == "Error: tool 'sleep' timed out after 0.5 seconds"
-    assert res[0].seconds >= 0.45  # it ran until its timeout, not less
     assert [r.content for r in res[1:]] == ["slept a", "slept b"] and all(r.ok for r in res[1:])
     assert len(tool.spans) == 3  # the hanging call was cancelled (its finally ran), not leaked
 
