@@ -7,7 +7,8 @@
 Two servers vs one at the same total memory: run it twice with the same workload, `--num-servers 2
 --mem-fraction 0.3` and `--num-servers 1 --mem-fraction 0.51` (OUT_DIR/gpu_ray_<n>_servers.json each), and
 compare `sampled_tokens_per_second` per step. The servers on one GPU start one after another and each
-one's fraction is SGLang's: of the memory free at its start, so 0.3 then 0.3 hold ~0.30 + ~0.21 of the GPU.
+one's fraction is SGLang's: of the memory free at its start, so 0.3 then 0.3 hold ~0.30 + ~0.21 of the GPU
+(by SGLang's formula; the JSON records the memory actually used).
 
 What it does: starts a local Ray cluster with the GPU, launches two SGLang server actors with
 `num_gpus=0.5` each on one placement group (so both land on the same GPU; `--mem-fraction-static`

@@ -10,7 +10,7 @@ the actor, so the actor is not on the hot path.
   Ray sets `CUDA_VISIBLE_DEVICES` for an actor that asks for `num_gpus`, and the server inherits it,
   so two servers with `num_gpus=0.5` share one GPU. They start one after another (see
   `agentloop.engine.launch.start_by_gpu`): each one's `mem_fraction_static` is SGLang's, a fraction of the GPU memory
-  free when that server starts (0.3 and 0.3 on an empty GPU: ~30% and ~21% of it).
+  free when that server starts (0.3 and 0.3 on an empty GPU: by SGLang's formula ~30% and ~21% of it).
 
 `EngineFleet` starts servers on different GPUs concurrently. GPU servers are placed on one placement group (a bundle
 of `{"GPU": num_gpus, "CPU": num_cpus}` per server, strategy PACK by default) so the fleet is
