@@ -74,7 +74,7 @@ def test_python_block_is_a_working_program(where: str, code: str, reason: str | 
         return
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
     env.pop("ENGINE_URL", None)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -166,7 +166,7 @@ async def test_a_runtime_sigkilled_at_any_lifecycle_call_leaves_a_server_the_nex
         model_dir: Path, pool: EnginePool, method: str, nth: int, when: str) -> None:
     async with pool.servers(1) as (proc,):
         fresh = await greedy_tokens(proc.url)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
         done = await anyio.to_thread.run_sync(lambda: subprocess.run(
             [sys.executable, "-c", KILLER, proc.url, str(model_dir), method, str(nth), when],
             capture_output=True, text=True, timeout=300, env=env))

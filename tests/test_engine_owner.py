@@ -126,7 +126,7 @@ async def test_agentloop_rollout_on_a_driven_server_is_refused_naming_the_owner(
     async with pool.servers(1) as (proc,), Runtime(config(proc.url, random_model_dir)) as a:
         assert a.lifecycle is not None
         await completed_steps(a, "a")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
         done = await anyio.to_thread.run_sync(lambda: subprocess.run(
             [sys.executable, "-m", "agentloop", "rollout", "--quiet", "--engine-url", proc.url, "--steps", "1",
              "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env))
@@ -169,7 +169,7 @@ OWNER = textwrap.dedent("""
 async def test_a_sigkilled_owner_on_this_machine_is_taken_over_at_once(
         random_model_dir: Path, pool: EnginePool, caplog: pytest.LogCaptureFixture) -> None:
     async with pool.servers(1) as (proc,):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
         owner = subprocess.Popen([sys.executable, "-c", OWNER, proc.url, str(random_model_dir)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
         try:

@@ -72,7 +72,7 @@ def wait_until(cond: Callable[[], bool], what: str) -> float:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 # ---------------------------------------------------------------------- a runtime with embedded engines

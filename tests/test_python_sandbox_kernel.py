@@ -419,7 +419,7 @@ anyio.run(main)
 
 
 def test_refuses_with_a_clear_error_when_namespaces_are_unavailable():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     r = subprocess.run([sys.executable, "-c", REFUSE_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_soak_smoke_injects_faults_and_loses_nothing(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run([sys.executable, "-m", "agentloop", "bench", "soak", "--smoke", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -32,8 +32,8 @@ Exit code 0 only if every check holds. Expected on an H200: ~1-2 min per server 
 the two-server one concurrent), ~6 min in all; the dry run takes ~3 min on 2 CPU cores.
 
 On the GPU host, from the repo root (sglang installed, e.g. `source tools/gpu/install_on_device.sh`):
-    PYTHONPATH=. python3 tools/gpu_engine_faults.py benchmarks/results/gpu_engine_faults
-    PYTHONPATH=. python3 tools/gpu_engine_faults.py OUT --stages two_servers_one_killed   # stage 3 alone
+    PYTHONPATH=src python3 tools/gpu_engine_faults.py benchmarks/results/gpu_engine_faults
+    PYTHONPATH=src python3 tools/gpu_engine_faults.py OUT --stages two_servers_one_killed   # stage 3 alone
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import anyio
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "src"))
 
 #: Summary fields that must agree between greedy runs (timings differ run to run).
 SAME_FIELDS = ("steps", "trajectories", "status", "tool_calls", "trajectories_with_tool_call", "reward_mean",
@@ -87,7 +87,7 @@ class Results:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
             "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -43,7 +43,7 @@ import anyio
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "src"))
 
 
 def gpu_used_gib() -> float | None:

@@ -37,7 +37,7 @@ since() { echo "+$(( $(date +%s) - T0 ))s"; }
 source tools/gpu/install_on_device.sh >> "$OUTDIR/env.txt" 2>&1 || { cat "$OUTDIR/env.txt"; echo "install failed"; exit 1; }
 echo "installed $(since)"; tail -1 "$OUTDIR/env.txt"
 # agentloop from this checkout, no install needed; keep NVLink multicast off (shared host rule)
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export AGENTLOOP_GPU_OUT=${AGENTLOOP_GPU_OUT:-/tmp/agentloop_gpu}

@@ -1,4 +1,4 @@
-"""Write the bundled arithmetic prompt set, `agentloop/data/arithmetic.jsonl`.
+"""Write the bundled arithmetic prompt set, `src/agentloop/data/arithmetic.jsonl`.
 
 Questions come from `agentloop.tasks.arithmetic.generate_questions` with a seed used neither for
 training the tiny model (1234) nor for its evaluation (20261202), so the demo shows unseen
@@ -6,7 +6,7 @@ questions. Each row: `uid`, one user message, the `calculator` tool schema, the 
 the reward-function name, the integer answer as `ground_truth`, and `extra` with the expected
 calculator calls (carried through to the trajectories for people reading them).
 
-    python tools/make_arithmetic_data.py [--n 64] [--seed 7] [--out agentloop/data/arithmetic.jsonl]
+    python tools/make_arithmetic_data.py [--n 64] [--seed 7] [--out src/agentloop/data/arithmetic.jsonl]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from agentloop.tasks.arithmetic import CALCULATOR_TOOL, generate_questions
 
 DATA_SEED = 7
 REWARD = "arithmetic"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "agentloop" / "data" / "arithmetic.jsonl"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "src" / "agentloop" / "data" / "arithmetic.jsonl"
 
 
 def rows(n: int, seed: int) -> list[dict]:

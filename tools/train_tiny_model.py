@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from a checkout: import the package next to it
-    sys.path.insert(0, str(REPO))
+if str(REPO / "src") not in sys.path:  # run as a script from a checkout: import the package next to it
+    sys.path.insert(0, str(REPO / "src"))
 
 from agentloop.tasks.arithmetic import (  # noqa: E402
     CALCULATOR_TOOL,
@@ -51,7 +51,7 @@ from agentloop.tasks.arithmetic import (  # noqa: E402
     reference_messages,
 )
 
-DEFAULT_OUT = REPO / "agentloop" / "models" / "tiny_tool"
+DEFAULT_OUT = REPO / "src" / "agentloop" / "models" / "tiny_tool"
 TRAIN_SEED = 1234  # questions the model is trained on
 EVAL_SEED = 20261202  # fresh questions for the evaluation; never used for training data
 INIT_SEED = 0  # weights and batch order

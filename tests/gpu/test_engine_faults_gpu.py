@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_engine_faults_script_on_sglang() -> None:
     out = out_dir() / "engine_faults"
     argv = [sys.executable, str(REPO / "tools" / "gpu_engine_faults.py"), str(out)] + (["--dry-run"] if DRYRUN else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1500)
     doc = json.loads((out / "gpu_engine_faults.json").read_text())
     failed = [name for name, ok in doc["checks"].items() if not ok]

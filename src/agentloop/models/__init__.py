@@ -1,7 +1,7 @@
 """Shipped models and model builders (the tiny tool-calling model, random test models).
 
 `tiny_tool_model()` locates the tiny tool-calling model that ships as package data in
-`agentloop/models/tiny_tool/` (trained by `tools/train_tiny_model.py`; see its MODEL_CARD.md).
+`src/agentloop/models/tiny_tool/` (trained by `tools/train_tiny_model.py`; see its MODEL_CARD.md).
 Random-weight test models live in `random_model.py`.
 """
 

@@ -26,8 +26,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-# commands/bench.py -> agentloop/ -> the repository root, which holds benchmarks/ in a source checkout.
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+# commands/bench.py -> agentloop/ -> src/ -> the repository root, which holds benchmarks/ in a source checkout.
+DEFAULT_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
 MARKER = "_common.py"  # what tells a benchmarks folder of this project from any other folder of that name
 
 
