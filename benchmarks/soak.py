@@ -249,7 +249,7 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     from agentloop.engine.sglang import SGLangClient
     from agentloop.models import tiny_tool_model
     from agentloop.runtime import Runtime
-    from agentloop.runtime_types import StepError
+    from agentloop.runtime.types import StepError
     from agentloop.tools import ToolRegistry
 
     # A hostile tool's exception is logged with its traceback by the registry: thousands here, on purpose.

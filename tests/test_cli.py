@@ -13,8 +13,8 @@ import yaml
 
 from agentloop.cli import build_parser, main
 from agentloop.commands.rollout import step_prompts
-from agentloop.progress import RolloutProgress
-from agentloop.rollout_config import ConfigError, RolloutConfig, defaults_yaml, load_config
+from agentloop.output.progress import RolloutProgress
+from agentloop.config.rollout import ConfigError, RolloutConfig, defaults_yaml, load_config
 from agentloop.types import Sample
 
 
@@ -131,7 +131,7 @@ def test_config_show_marks_the_commands_own_runtime_defaults() -> None:
     """ROLLOUT_RUNTIME_DEFAULTS (the command's n, concurrency, turn limits, engine threads) are marked in
     `config --show` with the library's value beside them; fields the command leaves alone are not."""
     from agentloop.config import RuntimeConfig
-    from agentloop.rollout_config import ROLLOUT_RUNTIME_DEFAULTS
+    from agentloop.config.rollout import ROLLOUT_RUNTIME_DEFAULTS
 
     shown = " ".join(line.strip().lstrip("#").strip() for line in defaults_yaml().splitlines())
     library = RuntimeConfig()

@@ -20,7 +20,7 @@ import pytest
 
 from agentloop.commands.rollout_args import add_parser, overrides_from_args
 from agentloop.data import arithmetic_prompts
-from agentloop.rollout_config import ConfigError, defaults_yaml, load_config
+from agentloop.config.rollout import ConfigError, defaults_yaml, load_config
 from test_cli_rollout import check_outputs, rollout_cmd, run_rollout, signal_mid_step
 
 

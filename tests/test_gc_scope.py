@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from agentloop.gc_scope import frozen_heap
+from agentloop.scheduler.gc_scope import frozen_heap
 from agentloop.types import Trajectory
 
 from test_scheduler import make

@@ -4,7 +4,7 @@ per-token `token_weight_versions`, and `StepResult.ragged`, the same rows withou
 from __future__ import annotations
 
 from agentloop.batch import collate, ragged, weight_version_number
-from agentloop.runtime_types import StepResult
+from agentloop.runtime.types import StepResult
 from agentloop.types import Trajectory, TurnRecord
 
 

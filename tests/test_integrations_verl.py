@@ -21,7 +21,7 @@ from verl.utils.model import compute_position_id_with_mask  # noqa: E402
 
 from agentloop.batch import weight_version_number  # noqa: E402
 from agentloop.integrations.verl import to_dataproto  # noqa: E402
-from agentloop.runtime_types import StepResult  # noqa: E402
+from agentloop.runtime.types import StepResult  # noqa: E402
 from agentloop.types import Trajectory, TurnRecord  # noqa: E402
 
 pytestmark = pytest.mark.verl

@@ -21,7 +21,7 @@ import pytest
 
 from agentloop.engine.base import GenerateOutput
 from agentloop.engine.lifecycle import EngineState
-from agentloop.rollout_config import load_config
+from agentloop.config.rollout import load_config
 from agentloop.runtime import Runtime
 from agentloop.tasks.arithmetic import CALCULATOR_TOOL, evaluate_expression, generate_questions
 from agentloop.types import Sample, Trajectory

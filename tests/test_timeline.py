@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agentloop.timeline import StepTimeline, plot_timeline
+from agentloop.output.timeline import StepTimeline, plot_timeline
 
 from test_output import RECORDS, make_traj
 
@@ -47,7 +47,7 @@ def test_stages_too_narrow_to_see_are_labelled_with_their_times() -> None:
     """On the CPU engine the stages take milliseconds of a one-second step: their bands cannot be
     seen, so the awake/sleep labels carry each stage's time and the legend lists only wide bands."""
     from agentloop.engine.lifecycle import StageRecord
-    from agentloop.timeline import _phase_marks, readable_stages
+    from agentloop.output.timeline import _phase_marks, readable_stages
 
     trajs = [make_traj(f"c#{i}", t0=10.0 + 0.5 * i) for i in range(4)]  # a step of about 2 s
     end = max(e.end for t in trajs for e in t.timeline)

@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-from ..rollout_config import ConfigError, defaults_yaml, load_config
+from ..config.rollout import ConfigError, defaults_yaml, load_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -33,9 +33,9 @@ from pathlib import Path
 import anyio
 
 from ..dataset import Dataset, DatasetError, load_dataset
-from ..output import OutputWriteError, TrajectoryStream, clear_outputs
-from ..progress import RolloutProgress
-from ..rollout_config import ConfigError, RolloutConfig, load_config
+from ..output.writer import OutputWriteError, TrajectoryStream, clear_outputs
+from ..output.progress import RolloutProgress
+from ..config.rollout import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
 from .rollout_checks import model_problem, preflight, previous_run
 from .rollout_outputs import finish_outputs, preload_output_modules, print_result, step_summary, write_failure_message

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..rollout_config import FLAG_NAMES, ConfigError, RolloutConfig
+from ..config.rollout import FLAG_NAMES, ConfigError, RolloutConfig
 
 #: flag dest → (dotted config field, flag as typed). Flags override the YAML file.
 FLAG_FIELDS: dict[str, tuple[str, str]] = {

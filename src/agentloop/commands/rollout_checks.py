@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..rollout_config import RolloutConfig
+from ..config.rollout import RolloutConfig
 
 __all__ = ["model_problem", "out_folder_problem", "preflight", "previous_run"]
 

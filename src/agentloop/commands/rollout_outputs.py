@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..engine.lifecycle_types import StageRecord
-from ..output import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
+from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
 from .rollout_prompts import prompt_statuses
 from .rollout_state import CommandRun, StepRecord
 
@@ -54,7 +54,7 @@ def preload_output_modules() -> None:
         import pyarrow.parquet  # noqa: F401
         from matplotlib.backends import backend_agg  # noqa: F401
 
-        from .. import timeline  # noqa: F401
+        from ..output import timeline
     except Exception:  # noqa: BLE001
         pass
 
@@ -84,7 +84,7 @@ def finish_outputs(run: CommandRun) -> list[Path]:
     )
     written.append(_attempt(run, SUMMARY_NAME, lambda: write_summary(out / SUMMARY_NAME, summary)))
     if run.cfg.timeline and any(rec.trajectories or rec.records for rec in run.steps):
-        from ..timeline import StepTimeline, plot_timeline
+        from ..output.timeline import StepTimeline, plot_timeline
 
         panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
         written.append(_attempt(run, TIMELINE_NAME, lambda: plot_timeline(panels, out / TIMELINE_NAME)))

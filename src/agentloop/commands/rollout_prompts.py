@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, Mapping, Sequence
 
-from ..rollout_config import RolloutConfig
+from ..config.rollout import RolloutConfig
 from ..types import Sample, Trajectory
 
 

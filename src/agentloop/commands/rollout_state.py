@@ -12,9 +12,9 @@ from typing import Any
 
 from ..dataset import Dataset
 from ..engine.lifecycle_types import StageRecord
-from ..output import TrajectoryStream
-from ..progress import RolloutProgress
-from ..rollout_config import RolloutConfig
+from ..output.writer import TrajectoryStream
+from ..output.progress import RolloutProgress
+from ..config.rollout import RolloutConfig
 from ..types import Trajectory
 
 __all__ = ["CommandRun", "StepRecord"]

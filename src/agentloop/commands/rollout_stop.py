@@ -50,7 +50,7 @@ def exception_leaves(e: BaseException) -> list[BaseException]:
 def engine_failure_message(e: BaseException) -> str | None:
     """A message for an engine-side failure (unreachable server, failed stage, engine that would not
     start), naming the server; None for anything else (a bug: let it raise with its traceback)."""
-    from ..runtime import AgentloopError
+    from ..runtime.core import AgentloopError
 
     messages = []
     for leaf in exception_leaves(e):

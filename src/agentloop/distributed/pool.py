@@ -29,7 +29,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..engine.router import RouteSession
-from ..runtime import AgentloopError
+from ..runtime.core import AgentloopError
 from ..types import Sample, Trajectory
 from .worker import RolloutWorker
 

@@ -41,12 +41,12 @@ import ray
 from ray import cloudpickle
 
 from ..agents.base import AgentContext, AgentLoop
-from ..config import RayConfig, RuntimeConfig, SchedulerConfig
+from ..config.settings import RayConfig, RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient
 from ..engine.lifecycle import EngineState
 from ..engine.router import RouteSession, Router
-from ..runtime import AgentloopError, Runtime, StepResult
-from ..scheduler import ScheduleResult, Scheduler
+from ..runtime.core import AgentloopError, Runtime, StepResult
+from ..scheduler.core import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, EngineSpec
 from .pool import PoolEvents, WorkerPool, default_capacity

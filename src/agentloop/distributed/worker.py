@@ -28,11 +28,11 @@ from typing import Any, Callable, Mapping
 
 import anyio
 
-from ..config import RuntimeConfig, SchedulerConfig
+from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.gate import Gate
 from ..engine.router import RouteSession, Router
-from ..engine_setup import make_client
-from ..scheduler import Scheduler
+from ..runtime.engines import make_client
+from ..scheduler.core import Scheduler
 from ..tools.registry import ToolRegistry
 from ..types import Sample
 

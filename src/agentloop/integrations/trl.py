@@ -45,8 +45,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import rewards
 from ..engine.lifecycle import Weights
-from ..runtime import Runtime
-from ..runtime_types import StepResult
+from ..runtime.core import Runtime
+from ..runtime.types import StepResult
 from ..types import FINISHED_OK, Sample, Trajectory
 
 log = logging.getLogger(__name__)

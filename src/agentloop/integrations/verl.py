@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"agentloop.integrations.verl needs verl (pip install 'agentloop[verl]'): {e}") from e
 
 from ..batch import collate
-from ..runtime_types import StepResult
+from ..runtime.types import StepResult
 from ..types import FINISHED_OK, Trajectory
 
 __all__ = ["AgentLoopManager", "FailedPolicy", "to_dataproto", "trajectories_to_dataproto"]

@@ -45,11 +45,11 @@ from verl.utils.ray_utils import auto_await
 
 from ..batch import collate
 from ..agents.base import AgentConfig
-from ..config import SchedulerConfig
+from ..config.settings import SchedulerConfig
 from ..engine.base import EngineError, GenerateOutput, SamplingParams
 from ..engine.lifecycle import Lifecycle
 from ..engine.router import Router
-from ..scheduler import Scheduler
+from ..scheduler.core import Scheduler
 from ..types import FINISHED_OK, Sample, Trajectory
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from .atomic_file import FILE_MODE, atomic_write, atomic_write_text
-from .output_parquet import MESSAGE_FIELDS, message_from_parquet, parquet_message, write_parquet
-from .output_summary import (
+from .parquet import MESSAGE_FIELDS, message_from_parquet, parquet_message, write_parquet
+from .summary import (
     PROMPT_STATUSES, TIME_KINDS, stage_seconds, summarize_run, summarize_step, time_split, write_summary,
 )
-from .types import Trajectory
+from ..types import Trajectory
 
 # The names of `agentloop.output` that live in the modules above, re-exported (callers import them from here).
 __all__ = [

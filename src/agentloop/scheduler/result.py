@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .scheduler_groups import GroupsMixin
-from .types import STATUSES, Sample, Trajectory
+from .groups import GroupsMixin
+from ..types import STATUSES, Sample, Trajectory
 
 __all__ = ["ResultMixin", "ScheduleResult"]
 

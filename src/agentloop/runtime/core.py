@@ -38,12 +38,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, S
 
 import anyio
 
-from .batch import CollateError, collate
-from .config import RuntimeConfig
-from .engine.base import EngineClient
-from .engine.lifecycle import EngineState, Lifecycle, Weights
-from .engine.router import Router
-from .engine_setup import (
+from ..batch import CollateError, collate
+from ..config.settings import RuntimeConfig
+from ..engine.base import EngineClient
+from ..engine.lifecycle import EngineState, Lifecycle, Weights
+from ..engine.router import Router
+from .engines import (
     embedded_model,
     fit_context_to_engines,
     launch_sglang,
@@ -51,10 +51,10 @@ from .engine_setup import (
     make_client,
     start_embedded,
 )
-from .runtime_inputs import check_pad_to, check_reward_name, rows_to_samples
-from .runtime_metrics import step_metrics
-from .runtime_sync import SyncFacade
-from .runtime_types import (
+from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .metrics import step_metrics
+from .sync import SyncFacade
+from .types import (
     AgentloopError,
     StepCollateError,
     StepError,
@@ -62,8 +62,8 @@ from .runtime_types import (
     StepSleepError,
     StepStream,
 )
-from .scheduler import ScheduleResult, Scheduler, with_overrides
-from .types import Sample, Trajectory, training_rows
+from ..scheduler.core import ScheduleResult, Scheduler, with_overrides
+from ..types import Sample, Trajectory, training_rows
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class Runtime(SyncFacade):
         self.config, self.engine_context_length = await fit_context_to_engines(self.config, self.clients)
 
     def _load_tools(self) -> Any:
-        from .tools.registry import ToolRegistry
+        from ..tools.registry import ToolRegistry
 
         return ToolRegistry.load(self.config.agent.tools)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .engine.lifecycle import StageRecord
-from .types import Trajectory
+from ..engine.lifecycle import StageRecord
+from ..types import Trajectory
 
 SEGMENT_COLORS = {
     "generate": "#1f77b4",

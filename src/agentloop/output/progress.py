@@ -16,7 +16,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from .types import Trajectory
+from ..types import Trajectory
 
 
 class RolloutProgress:

@@ -16,10 +16,10 @@ from typing import Awaitable, Callable, Iterator, Sequence
 import anyio
 import anyio.abc
 
-from .config import SchedulerConfig
-from .engine.router import RouteSession
-from .group_filters import GroupFilter
-from .types import FINISHED_OK, Sample, Trajectory
+from ..config.settings import SchedulerConfig
+from ..engine.router import RouteSession
+from .filters import GroupFilter
+from ..types import FINISHED_OK, Sample, Trajectory
 
 log = logging.getLogger("agentloop.scheduler")
 

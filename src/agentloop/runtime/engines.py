@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import anyio
 
-from .config import EngineConfig, RuntimeConfig
-from .engine.base import EngineClient, EngineError
-from .runtime_types import AgentloopError
+from ..config.settings import EngineConfig, RuntimeConfig
+from ..engine.base import EngineClient, EngineError
+from .types import AgentloopError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ __all__ = [
 
 def make_client(url: str, ecfg: EngineConfig) -> EngineClient:
     """The HTTP client for the engine at `url` (real SGLang and the CPU engine alike)."""
-    from .engine.sglang import SGLangClient
+    from ..engine.sglang import SGLangClient
 
     return SGLangClient(url, generate_timeout=ecfg.request_timeout, keepalive_timeout=ecfg.keepalive_timeout,
                         check_finite_weights=ecfg.check_finite_weights)
@@ -48,7 +48,7 @@ def embedded_model(ecfg: EngineConfig) -> Path:
     if ecfg.model is not None:
         model = Path(ecfg.model)
     else:
-        from .models import tiny_tool_model
+        from ..models import tiny_tool_model
 
         model = tiny_tool_model()
     if not model.is_dir():
@@ -58,7 +58,7 @@ def embedded_model(ecfg: EngineConfig) -> Path:
 
 async def start_embedded(ecfg: EngineConfig, model: Path, processes: list[Any]) -> list[str]:
     """Start `engine.num_local_servers` CPU engines on `model`; their URLs in order."""
-    from .engine.local.process import LocalEngineProcess
+    from ..engine.local.process import LocalEngineProcess
 
     procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local_args)) for _ in range(ecfg.num_local_servers)]
     processes.extend(procs)
@@ -67,7 +67,7 @@ async def start_embedded(ecfg: EngineConfig, model: Path, processes: list[Any]) 
 
 async def launch_sglang(ecfg: EngineConfig, processes: list[Any]) -> list[str]:
     """Launch the `engine.launch` SGLang servers, one per GPU id; their URLs in order."""
-    from .engine.launch import SGLangLaunchConfig, SGLangServer, start_servers
+    from ..engine.launch import SGLangLaunchConfig, SGLangServer, start_servers
 
     lc = ecfg.launch
     assert lc is not None

@@ -28,7 +28,7 @@ from typing import Any, Literal, Mapping, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .config import RuntimeConfig
+from .settings import RuntimeConfig
 from .yaml_strict import mark_where
 from .yaml_strict import safe_load as strict_yaml_load
 

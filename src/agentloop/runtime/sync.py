@@ -10,8 +10,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import anyio.from_thread
 
-from .runtime_types import StepResult
-from .types import Sample
+from .types import StepResult
+from ..types import Sample
 
 __all__ = ["SyncFacade"]
 

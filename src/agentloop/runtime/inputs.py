@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Sequence
 
-from .types import Sample
+from ..types import Sample
 
 __all__ = ["check_pad_to", "check_reward_name", "rows_to_samples"]
 
@@ -28,7 +28,7 @@ def check_reward_name(reward: str | None) -> None:
     """A step's default reward (`scheduler.reward`) must be registered: refused once, not per trajectory."""
     if reward is None:
         return
-    from .rewards import registered_rewards
+    from ..rewards import registered_rewards
 
     if reward not in registered_rewards():
         raise ValueError(f"scheduler.reward: unknown reward function {reward!r}; registered: {registered_rewards()}")
@@ -43,9 +43,9 @@ def rows_to_samples(
     checked against the registry."""
     if not any(isinstance(s, Mapping) for s in samples):
         return list(samples)  # type: ignore[arg-type]
-    from .agents.base import registered_agents
-    from .dataset import row_to_sample
-    from .rewards import registered_rewards
+    from ..agents.base import registered_agents
+    from ..dataset import row_to_sample
+    from ..rewards import registered_rewards
 
     out: list[Sample] = []
     for i, s in enumerate(samples):

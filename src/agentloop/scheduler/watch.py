@@ -12,7 +12,7 @@ from typing import Any, Callable
 import anyio
 import anyio.abc
 
-from .engine.router import RouteSession
+from ..engine.router import RouteSession
 
 __all__ = ["WatchMixin"]
 

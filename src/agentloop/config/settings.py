@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .agents.base import AgentConfig
-from .engine.base import MEMORY_TAGS, engine_url
+from ..agents.base import AgentConfig
+from ..engine.base import MEMORY_TAGS, engine_url
 
 __all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
 
@@ -222,7 +222,7 @@ class SchedulerConfig(_Strict):
     @classmethod
     def _known_group_filter(cls, v: str | None) -> str | None:
         if v is not None:
-            from .group_filters import get_group_filter
+            from ..scheduler.filters import get_group_filter
 
             get_group_filter(v)  # raises naming the registered filters
         return v

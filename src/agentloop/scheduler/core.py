@@ -53,16 +53,16 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequen
 import anyio
 import anyio.abc
 
-from . import rewards
-from .agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
-from .config import SchedulerConfig
-from .engine.router import RouteSession, Router
+from .. import rewards
+from ..agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
+from ..config.settings import SchedulerConfig
+from ..engine.router import RouteSession, Router
 from .gc_scope import frozen_heap
-from .group_filters import GroupFilter, get_group_filter
-from .scheduler_groups import _Group, expand_samples
-from .scheduler_result import ResultMixin, ScheduleResult
-from .scheduler_watch import WatchMixin
-from .types import FINISHED_OK, Sample, TimelineEvent, Trajectory
+from .filters import GroupFilter, get_group_filter
+from .groups import _Group, expand_samples
+from .result import ResultMixin, ScheduleResult
+from .watch import WatchMixin
+from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class _ScheduleRun(ResultMixin, WatchMixin):
     def _prompt_ids(self, job: Sample) -> list[int]:
         """The rendered prompt, so a trajectory that failed before its first turn still shows its prompt."""
         try:
-            from .chat import render_ids
+            from ..chat import render_ids
 
             return render_ids(self.s.tokenizer, job.messages, tools=job.tools)
         except Exception:  # the prompt itself may be what failed; the error is already recorded

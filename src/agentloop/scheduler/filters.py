@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .types import Trajectory
+from ..types import Trajectory
 
 __all__ = ["GroupFilter", "get_group_filter", "register_group_filter", "registered_group_filters"]
 

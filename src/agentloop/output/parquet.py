@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .atomic_file import atomic_write
-from .types import Trajectory
+from ..types import Trajectory
 
 __all__ = ["MESSAGE_FIELDS", "message_from_parquet", "parquet_message", "write_parquet"]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from .batch import RaggedBatch, RolloutBatch, ragged
-from .runtime_inputs import check_pad_to  # re-exported: it was defined here
-from .types import Sample, Trajectory
+from ..batch import RaggedBatch, RolloutBatch, ragged
+from .inputs import check_pad_to  # re-exported: it was defined here
+from ..types import Sample, Trajectory
 
 __all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
 

@@ -1,0 +1,12 @@
+"""The trainer-facing runtime: `Runtime` (one step = wake → roll out → collate → sleep) and what it returns.
+
+Modules: `core.py` (`Runtime`), `sync.py` (the blocking facade, `step_sync`), `types.py` (`StepResult`,
+`StepStream`, the step errors), `inputs.py` (a step's argument checks, before any wake-up), `metrics.py`
+(a step's numbers), `engines.py` (how engines, clients and the tokenizer are obtained).
+"""
+
+from .core import OnTrajectory, Runtime
+from .types import AgentloopError, StepCollateError, StepError, StepResult, StepSleepError, StepStream
+
+__all__ = ["AgentloopError", "OnTrajectory", "Runtime", "StepCollateError", "StepError", "StepResult",
+           "StepSleepError", "StepStream"]
