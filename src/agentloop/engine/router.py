@@ -39,12 +39,13 @@ spans, on the session (the scheduler copies them into the trajectory's timeline)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Literal, Sequence
+from typing import Awaitable, Callable, Iterator, Literal, Mapping, Sequence
 
 import anyio
 
@@ -60,6 +61,9 @@ __all__ = ["NoServerError", "PrioritySlots", "RouteSession", "Router", "RouterSt
 
 SlotOrder = Literal["depth_first", "fifo"]
 
+#: Most abort requests in flight at once when requests are aborted one by one.
+ABORT_CONCURRENCY = 64
+
 
 class NoServerError(EngineUnavailable):
     """No healthy engine server is left to route to."""
@@ -69,6 +73,7 @@ class NoServerError(EngineUnavailable):
 class RouterStats:
     requests: int = 0
     retries: int = 0
+    abort_requests: int = 0  #: /abort_request calls sent to stop sessions
     removed: dict[str, str] = field(default_factory=dict)  #: url → why it was taken out
 
 
@@ -86,6 +91,7 @@ class Router:
         health_timeout: float = 5.0,
         slot_order: SlotOrder = "fifo",
         clock: Callable[[], float] = time.monotonic,
+        sole_client: bool = False,
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
@@ -99,6 +105,10 @@ class Router:
         self.health_timeout = health_timeout
         self.slot_order = slot_order
         self.clock = clock
+        #: This process's gate is the only client generating on these servers (the runtime that owns
+        #: them; not a Ray worker, whose servers other workers share): a stop may then abort everything a
+        #: server runs with one `abort_all` when every request in flight there is one it stops.
+        self.sole_client = sole_client
         self.stats = RouterStats()
         self._outstanding: dict[str, int] = {}
         self._bound: dict[str, int] = {}
@@ -132,15 +142,48 @@ class Router:
 
     async def abort(self, rids: Sequence[str], *, timeout: float = 10.0) -> None:
         """Abort `rids` on every server directly (routers in front of servers do not forward aborts)."""
+        limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
 
         async def one(rid: str) -> None:
-            with anyio.move_on_after(timeout):
-                for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
-                    log.debug("abort of %s on %s: %s", rid, url, e)
+            async with limit:
+                with anyio.move_on_after(timeout):
+                    for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
+                        log.debug("abort of %s on %s: %s", rid, url, e)
 
         async with anyio.create_task_group() as tg:
             for rid in rids:
                 tg.start_soon(one, rid)
+
+    async def abort_on_servers(self, rids_by_server: Mapping[str, Sequence[str]], *, timeout: float = 10.0) -> int:
+        """Abort requests on the servers they were sent to, all servers at once: one `abort_all` to a
+        server whose requests in flight are all among its `rids` (known only with `sole_client`: no other
+        process generates there) — one round trip instead of one per request — else one abort per rid there, at most
+        `ABORT_CONCURRENCY` at a time. Returns the number of abort requests sent."""
+        sent = 0
+        limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
+
+        async def send(url: str, rid: str | None) -> None:
+            nonlocal sent
+            sent += 1
+            async with limit:
+                with anyio.move_on_after(timeout):
+                    try:
+                        await self.gate.client(url).abort_request(rid, abort_all=rid is None)
+                    except (EngineError, OSError) as e:  # a dead server cannot abort; its request ends on its own
+                        log.debug("abort of %s on %s: %s", rid or "everything", url, e)
+
+        async with anyio.create_task_group() as tg:
+            for url, rids in rids_by_server.items():
+                if not rids:
+                    continue
+                probing = url in self._probe_locks and self._probe_locks[url].locked()  # a /health generate runs
+                if self.sole_client and not probing and self.gate.in_flight(url) <= len(rids):
+                    # Nothing else runs there: abort it all at once.
+                    tg.start_soon(send, url, None)
+                else:
+                    for rid in rids:
+                        tg.start_soon(send, url, rid)
+        return sent
 
     async def take_out_stalled(self, after: float) -> list[str]:
         """Take out every server with requests in flight that answered none for `after` seconds and
@@ -159,18 +202,23 @@ class Router:
         return hung
 
     async def stop_sessions(self, sessions: Sequence["RouteSession"], reason: str) -> None:
-        """Stop `sessions` (nothing more is dispatched for them) and abort their requests in flight
-        until none is left: a request dispatched just before the stop may not be registered on its
-        server yet, so the abort is repeated for whatever is still in flight every 0.2 s."""
+        """Stop `sessions` at once: nothing more is dispatched for them, their waits (gate, slot,
+        tool calls in `interruptible` scopes) end now, and their requests in flight are aborted on
+        their servers in one round (`abort_on_servers`). A request dispatched just before the stop may
+        not be registered on its server yet, so what is still in flight 0.2 s later is aborted again."""
         for s in sessions:
             s.stop(reason)
         while True:
-            busy = [s for s in sessions if s.in_flight_rid is not None]
-            if not busy:
+            by_server: dict[str, list[str]] = {}
+            for s in sessions:
+                rid, url = s.in_flight_rid, s.in_flight_url
+                if rid is not None and url is not None:
+                    by_server.setdefault(url, []).append(rid)
+            if not by_server:
                 return
-            await self.abort([s.in_flight_rid for s in busy if s.in_flight_rid is not None])
+            self.stats.abort_requests += await self.abort_on_servers(by_server)
             with anyio.move_on_after(0.2):
-                for s in busy:
+                for s in sessions:
                     await s.wait_idle()
 
     # ------------------------------------------------------------------ what route sessions use
@@ -261,6 +309,7 @@ class RouteSession:
         self.slot_order = slot_order
         self.url: str | None = None
         self.in_flight_rid: str | None = None
+        self.in_flight_url: str | None = None  #: the server `in_flight_rid` was sent to
         self.rids: list[str] = []
         self.stop_reason: str | None = None
         self.events: list[TimelineEvent] = []
@@ -287,6 +336,19 @@ class RouteSession:
     @property
     def stopped(self) -> bool:
         return self.stop_reason is not None
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that `stop()` cancels (cancelled at once if stopped already): the agent loop's
+        waits between model turns (tools) run in it, so a stop ends them at once (`AgentContext.interruptible`)."""
+        with anyio.CancelScope() as scope:
+            if self.stopped:
+                scope.cancel()
+            self._waits.add(scope)
+            try:
+                yield scope
+            finally:
+                self._waits.discard(scope)
 
     async def wait_stopped(self) -> None:
         """Return once `stop()` was called (at once if it was)."""
@@ -370,13 +432,13 @@ class RouteSession:
                 self.events.append(TimelineEvent("wait", t0, t1))
             if self.stopped:
                 return None
-            self.in_flight_rid = rid
+            self.in_flight_rid, self.in_flight_url = rid, url
             self.rids.append(rid)
             router.stats.requests += 1
             try:
                 return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
             finally:
-                self.in_flight_rid = None
+                self.in_flight_rid = self.in_flight_url = None
                 if self._idle is not None:
                     self._idle.set()
                     self._idle = None
@@ -391,13 +453,9 @@ class RouteSession:
             return False
         # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event.
         done = False
-        with anyio.CancelScope() as scope:
-            self._waits.add(scope)
-            try:
-                await wait()
-                done = True
-            finally:
-                self._waits.discard(scope)
+        with self.interruptible():
+            await wait()
+            done = True
         return done
 
     def current_server(self) -> str:

@@ -47,7 +47,7 @@ class TrajectoryRunner:
         raises for the loop's fault: an exception, a wrong return type or outliving `hard_timeout`
         becomes the error (the trajectory is then the partial one, or an empty one keeping the prompt)."""
         ctx = AgentContext(generate=session, tokenizer=self.tokenizer, config=self.agent_config, tools=self.tools,
-                           interaction=self.interaction, clock=self.clock)
+                           interaction=self.interaction, clock=self.clock, stop=session)
         name = job.agent or self.default_agent or "tool"
         traj: Trajectory | None = None
         error: str | None = None
