@@ -128,3 +128,52 @@ async def test_a_stop_from_outside_cuts_tool_waits_too() -> None:
     assert time.monotonic() - t_stop < TOOL_S / 2
     res = result["res"]
     assert not res.trajectories and [s.resume_from.extra[INTERRUPTED_TOOL] for s in res.carry_over] == [0] * 4
+
+
+async def test_the_tool_loop_ends_at_once_when_stopped_during_its_tool_calls_and_resumes_them() -> None:
+    from agentloop.agents import AgentContext, get_agent
+    from agentloop.agents.tool import INTERRUPTED_TOOLS
+    from agentloop.tools import ToolRegistry
+    from test_agents import Calculator, ScriptedEngine, call
+    from test_chat_templates import qwen_style_tokenizer
+
+    tok = qwen_style_tokenizer()
+    turns = [call("calculator", expression="2 + 3"), "The answer is 5."]
+    s = Sample(uid="s0", messages=[{"role": "user", "content": "What is 2 + 3?"}])
+
+    def ctx(engine: ScriptedEngine, tools: ToolRegistry, stop=None) -> AgentContext:
+        return AgentContext(generate=engine, tokenizer=tok, config=AgentConfig(), tools=tools, stop=stop)
+
+    reference = await get_agent("tool").run(s, ctx(ScriptedEngine(tok, list(turns)), ToolRegistry([Calculator()])))
+    assert reference.status == "completed" and reference.tool_calls == 1
+
+    # The real stop signal: the route session the scheduler gives the trajectory.
+    session = Router(Lifecycle([FakeEngine("http://a")], awake=True)).session("s0")
+    box = {}
+
+    async def run() -> None:
+        box["partial"] = await get_agent("tool").run(
+            s, ctx(ScriptedEngine(tok, turns[:1]), ToolRegistry([Calculator(delay=30.0)]), stop=session))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.sleep(0.3)  # inside the 30 s calculator call
+        t_stop = time.monotonic()
+        session.stop("early stop: target groups reached")
+    assert time.monotonic() - t_stop < 2.0  # the tool call was cut, not waited out
+    partial = box["partial"]
+    partial.check_invariants()
+    assert (partial.status, partial.finish_reason, partial.error) == ("aborted", "abort", None)
+    assert partial.extra[INTERRUPTED_TOOLS] is True and partial.tool_calls == 0 and partial.num_turns == 1
+    assert [m["role"] for m in partial.messages] == ["user", "assistant"]
+
+    resumed = await get_agent("tool").run(
+        Sample(uid="s0", messages=s.messages, resume_from=partial),
+        ctx(ScriptedEngine(tok, turns[1:], version="v2"), ToolRegistry([Calculator()])))
+    assert resumed.status == "completed" and resumed.tool_calls == 1 and INTERRUPTED_TOOLS not in resumed.extra
+    resumed.check_invariants()
+    # Exactly the uninterrupted run: same tokens, masks, logprobs, messages (call ids included).
+    assert resumed.response_ids == reference.response_ids and resumed.response_mask == reference.response_mask
+    assert resumed.response_logprobs == reference.response_logprobs
+    assert resumed.messages == reference.messages
+    assert resumed.weight_versions == ["v1", "v2"]  # each turn tagged with the version that sampled it

@@ -99,6 +99,7 @@ class GroupBook:
         self.grouped = target_groups is not None or group_filter is not None
         self.jobs: list[Sample] = []
         self.results: list[Trajectory | None] = []
+        self._unfinished = 0
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, list[int]] = {}
         self._uids: set[str] = set()
@@ -113,6 +114,7 @@ class GroupBook:
         self.jobs.extend(jobs)
         self._uids.update(j.uid for j in jobs)
         self.results.extend([None] * len(jobs))
+        self._unfinished += len(jobs)
         for i, j in enumerate(jobs, start=first):
             self._members.setdefault(j.group_id, []).append(i)
         for g in {j.group_id for j in jobs}:
@@ -137,6 +139,11 @@ class GroupBook:
         """Groups with a member not finished yet."""
         return sum(1 for g in self._groups.values() if not g.complete)
 
+    @property
+    def unfinished(self) -> int:
+        """Trajectories registered and not finished yet (queued or running)."""
+        return self._unfinished
+
     def budget_reached(self) -> bool:
         return self.group_budget is not None and len(self._groups) >= self.group_budget
 
@@ -152,6 +159,7 @@ class GroupBook:
         if self.results[i] is not None:
             raise RuntimeError(f"trajectory {self.jobs[i].uid} finished twice")
         self.results[i] = traj
+        self._unfinished -= 1
         gid = self.jobs[i].group_id
         g = self._groups[gid]
         g.done += 1
@@ -200,6 +208,10 @@ class GroupBook:
         if g.rejected:
             return False
         return g.ok < g.size and not any(is_unfinished(self.results[k]) for k in self._members[gid])
+
+    def group_of(self, i: int) -> list[Trajectory]:
+        """The finished members of trajectory `i`'s group, in input order."""
+        return [t for k in self._members[self.jobs[i].group_id] if (t := self.results[k]) is not None]
 
     def is_rejected(self, i: int) -> bool:
         return self._groups[self.jobs[i].group_id].rejected

@@ -34,6 +34,17 @@ This module owns *how many trajectories run, and when they stop*. `Scheduler.run
   `budget_exhausted` (the step ended short of `target_groups`) and `groups_budget_exhausted` (how many
   short).
 
+- **Over-admission** (`active`): the run keeps `active` trajectories in flight, drawing a fresh prompt
+  from the feeder (`more_samples`: an iterator or async iterator) as soon as one finishes, until
+  `target_groups` groups are accepted; the rest are stopped at once and carried over. A carried
+  trajectory past `max_staleness` (its first token that many weight versions old) is restarted or
+  dropped (`stale_policy`, see `staleness.py`); every step reports the staleness of its sampled tokens
+  (`token_staleness` histogram, `max_token_staleness`, `stale_token_fraction`).
+- **Stopping at once**: an early stop (or `stop()`, a sleep) stops every route session, cuts the
+  trajectories' tool waits (`AgentContext.interruptible`: the loop ends aborted with its tokens and
+  reruns the cut call when resumed) and aborts the requests in flight in one round
+  (`Router.stop_sessions`), so the step returns in milliseconds, not after the longest tool call.
+
 Each trajectory gets `metrics` (queue/wait/generate/tool seconds) and "queue"/"wait" timeline spans.
 
 Layout: this module is the entry point (`Scheduler`: what a runtime shares across steps, the agent
@@ -46,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterable, Callable, Iterable, Mapping, Sequence
 
 from ..agents.base import AgentConfig, AgentLoop, get_agent
 from ..config.settings import SchedulerConfig
@@ -55,7 +66,8 @@ from ..types import Sample
 from .book import expand_samples
 from .gc_scope import frozen_heap
 from .result import ScheduleResult
-from .run import OnTrajectory, ScheduleRun
+from .run import OnGroup, OnTrajectory, ScheduleRun
+from .staleness import VersionLog
 from .trajectory import TrajectoryRunner
 
 log = logging.getLogger(__name__)
@@ -98,6 +110,8 @@ class Scheduler:
         self.hung_timeout = hung_timeout
         self._agents: dict[str, AgentLoop] = {}
         self._runs: list[ScheduleRun] = []
+        #: The weight versions this scheduler's runs saw, in order (how stale a token is).
+        self.versions = VersionLog()
 
     def agent(self, name: str) -> AgentLoop:
         """The agent loop registered as `name` (one instance per scheduler). Ray's driver overrides it."""
@@ -111,13 +125,17 @@ class Scheduler:
         *,
         on_trajectory: OnTrajectory | None = None,
         config: SchedulerConfig | None = None,
-        more_samples: Iterable[Sample] | None = None,
+        more_samples: Iterable[Sample] | AsyncIterable[Sample] | None = None,
+        on_group: OnGroup | None = None,
     ) -> ScheduleResult:
         """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault.
-        `more_samples` supplies fresh prompts while a group filter keeps the step short of `target_groups`."""
+        `more_samples` (the feeder: an iterator or async iterator of fresh samples) supplies prompts while a
+        group filter keeps the step short of `target_groups`, or to keep `active` trajectories in flight.
+        `on_group(members, verdict)` is called when a group is decided (grouped runs: a target or a filter)."""
         cfg = config or self.config
         run = ScheduleRun(router=self.router, runner=self._runner(), config=cfg, clock=self.clock,
-                          hung_timeout=self.hung_timeout, on_trajectory=on_trajectory, more_samples=more_samples)
+                          hung_timeout=self.hung_timeout, on_trajectory=on_trajectory, more_samples=more_samples,
+                          on_group=on_group, versions=self.versions)
         self._runs.append(run)
         try:
             with frozen_heap(cfg.gc_freeze):

@@ -26,6 +26,8 @@ class ScheduleResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     #: Trajectories of complete groups the group filter rejected (not in `trajectories`).
     rejected: list[Trajectory] = field(default_factory=list)
+    #: Carried samples whose group was dropped for staleness (`max_staleness` with `stale_policy: drop`).
+    dropped: list[Sample] = field(default_factory=list)
 
 
 def build_result(book: GroupBook, cfg: SchedulerConfig, *, wall: float, refill_stop: str,

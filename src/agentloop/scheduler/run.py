@@ -16,7 +16,8 @@ running trajectories, whether (and why) it is stopping, and where fresh prompts 
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Iterable, Iterator, Sequence
+import dataclasses
+from typing import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 
 import anyio
 import anyio.abc
@@ -24,17 +25,21 @@ import anyio.abc
 from ..config.settings import SchedulerConfig
 from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
-from .book import GroupBook, expand_samples
+from .book import Decision, GroupBook, expand_samples
+from .feeder import Feeder
 from .filters import get_group_filter
 from .result import ScheduleResult, build_result
+from .staleness import VersionLog, token_staleness
 from .trajectory import TrajectoryRunner
 from .watchdog import Watchdog
 
 log = logging.getLogger("agentloop.scheduler")
 
-__all__ = ["OnTrajectory", "ScheduleRun"]
+__all__ = ["OnGroup", "OnTrajectory", "ScheduleRun"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
+#: Called with a decided group's members and the verdict ("accepted", "failed" or "rejected").
+OnGroup = Callable[[list[Trajectory], str], "Awaitable[None] | None"]
 
 
 class ScheduleRun:
@@ -49,20 +54,28 @@ class ScheduleRun:
         clock: Callable[[], float],
         hung_timeout: float | None = None,
         on_trajectory: OnTrajectory | None = None,
-        more_samples: Iterable[Sample] | None = None,
+        more_samples: Iterable[Sample] | AsyncIterable[Sample] | None = None,
+        on_group: OnGroup | None = None,
+        versions: VersionLog | None = None,
     ) -> None:
         self.router = router
         self.runner = runner
         self.cfg = config
         self.clock = clock
         self.on_trajectory = on_trajectory
+        self.on_group = on_group
+        #: The order of weight versions (the scheduler's, shared across its runs): staleness.
+        self.versions = versions if versions is not None else VersionLog()
         self.book = GroupBook(
             n=config.n, target_groups=config.target_groups, group_budget=config.group_budget,
             group_filter=get_group_filter(config.group_filter) if config.group_filter else None,
             filter_name=config.group_filter,
         )
-        self.more: Iterator[Sample] | None = iter(more_samples) if more_samples is not None else None
+        self.feeder: Feeder | None = Feeder(more_samples) if more_samples is not None else None
         self.refill_stop = ""  # why drawing from more_samples stopped, if it did
+        self._room = anyio.Event()  # set when a trajectory finishes or the run stops: the feeder may draw
+        self.dropped: list[Sample] = []  # carried groups past max_staleness (stale_policy "drop")
+        self.stale_restarted = 0  # carried trajectories past max_staleness restarted from their prompt
         #: Route sessions of the trajectories running now, by index.
         self.sessions: dict[int, RouteSession] = {}
         self.watchdog = Watchdog(clock=clock, is_running=self.sessions.__contains__, on_expired=self._expired,
@@ -75,8 +88,9 @@ class ScheduleRun:
 
     async def run(self, samples: Sequence[Sample]) -> ScheduleResult:
         cfg, book = self.cfg, self.book
-        book.add(expand_samples(samples, cfg.n))
-        if cfg.target_groups is not None and cfg.target_groups > book.num_groups and self.more is None:
+        self.versions.observe(self.router.gate.weight_version)
+        book.add(self._bound_staleness(expand_samples(samples, cfg.n)))
+        if cfg.target_groups is not None and cfg.target_groups > book.num_groups and self.feeder is None:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", cfg.target_groups, book.num_groups)
         t0 = self.clock()
         self._limit = anyio.Semaphore(cfg.concurrency)
@@ -87,15 +101,21 @@ class ScheduleRun:
                 self._tg = tg
                 for i in range(len(book.jobs)):
                     tg.start_soon(self._one, i, t0)
-                self._refill()  # fewer groups given than the target: draw the rest now
+                if self.feeder is not None and (cfg.target_groups is not None or cfg.active is not None):
+                    tg.start_soon(self._feed)
             outer.cancel_scope.cancel()  # every trajectory is done: the watchdog ends
         wall = self.clock() - t0
         result = build_result(book, cfg, wall=wall, refill_stop=self.refill_stop, stopped_from_outside=self.external_stop,
                               router_stats=self.router.stats)
+        result.dropped = self.dropped
+        result.metrics.update(token_staleness(self.versions, result.trajectories))
+        result.metrics["stale_restarted"] = self.stale_restarted
+        result.metrics["stale_dropped"] = len(self.dropped)
+        result.metrics["samples_drawn"] = self.feeder.drawn if self.feeder is not None else 0
         # A cancelled watcher's traceback (its frame holds `self`) keeps this run in a reference cycle that
         # only a full garbage collection frees; let go of the trajectories here, so that they are freed when
         # the caller drops the result rather than at some later full collection (which must also walk them).
-        self.book, self.more = GroupBook(), None
+        self.book, self.feeder = GroupBook(), None
         return result
 
     def stop(self, reason: str, *, early: bool = False) -> None:
@@ -104,6 +124,7 @@ class ScheduleRun:
         self.external_stop = self.external_stop or not early
         self.stopping = True
         self.stop_reason = reason
+        self._room.set()  # the feeder stops drawing
         if self._tg is None:
             return
         sessions = list(self.sessions.values())
@@ -177,34 +198,75 @@ class ScheduleRun:
     # ------------------------------------------------------------------ groups
     async def _finish(self, i: int, traj: Trajectory) -> None:
         decision = self.book.finish(i, traj)
+        self._room.set()
         if decision.emit and self.on_trajectory is not None:
             for k in decision.emit:
                 r = self.on_trajectory(self.book.results[k])  # type: ignore[arg-type]
                 if r is not None:
                     await r
+        if self.on_group is not None and decision.verdict in ("accepted", "failed", "rejected"):
+            r = self.on_group(self._members(i, decision), decision.verdict)
+            if r is not None:
+                await r
         if decision.target_reached:
             log.info("target of %d complete groups reached: stopping %d running trajectories",
                      self.cfg.target_groups, len(self.sessions))
             self.stop("early stop: target groups reached", early=True)
-        if decision.refill:
-            self._refill()
 
-    def _refill(self) -> None:
-        """Draw fresh prompts from `more_samples` while accepted + running groups fall short of the target."""
-        if self.more is None or self.stopping or self._tg is None:
-            return
-        while self.book.groups_wanted() > 0:
+    def _members(self, i: int, decision: Decision) -> list[Trajectory]:
+        if decision.emit:
+            return [self.book.results[k] for k in decision.emit]  # type: ignore[misc]
+        return self.book.group_of(i)
+
+    # ------------------------------------------------------------------ the feeder
+    def _wants_more(self) -> bool:
+        """Another group is wanted: accepted + running groups fall short of the target (a filter rejected
+        some), or fewer than `active` trajectories are in flight (over-admission)."""
+        if self.book.groups_wanted() > 0:
+            return True
+        active = self.cfg.active
+        return active is not None and self.book.unfinished < active
+
+    async def _feed(self) -> None:
+        """Draw fresh prompts from the feeder whenever one is wanted, until the run stops, the feeder runs
+        out, or `group_budget` groups were sampled. Each drawn prompt starts at once."""
+        feeder, tg = self.feeder, self._tg
+        assert feeder is not None and tg is not None
+        while not self.stopping:
+            if not self._wants_more():
+                self._room = anyio.Event()
+                await self._room.wait()
+                continue
             if self.book.budget_reached():
                 self.refill_stop = f"group_budget of {self.book.group_budget} groups reached"
                 return
-            try:
-                added = self.book.add_sample(next(self.more))
-            except StopIteration:
-                self.more, self.refill_stop = None, "more_samples exhausted"
+            sample = await feeder.next()
+            if sample is None:
+                self.refill_stop = "more_samples exhausted"
                 return
+            try:
+                added = self.book.add_sample(sample)
             except (TypeError, ValueError) as e:  # a bad sample from the source: stop drawing, keep the step
-                self.more, self.refill_stop = None, f"more_samples gave a bad sample: {e}"
+                self.refill_stop = f"more_samples gave a bad sample: {e}"
                 log.error("scheduler: %s", self.refill_stop)
                 return
-            for k in added:
-                self._tg.start_soon(self._one, k, self.clock())
+            for k in added:  # a run stopped meanwhile carries them over untouched
+                tg.start_soon(self._one, k, self.clock())
+
+    # ------------------------------------------------------------------ staleness
+    def _bound_staleness(self, jobs: list[Sample]) -> list[Sample]:
+        """Apply `max_staleness` to carried jobs (see staleness.py): restart them, or drop their group."""
+        bound = self.cfg.max_staleness
+        if bound is None:
+            return jobs
+        stale = {j.uid for j in jobs if j.resume_from is not None
+                 and (self.versions.first_token_age(j.resume_from) or 0) > bound}
+        if not stale:
+            return jobs
+        if self.cfg.stale_policy == "drop":
+            groups = {j.group_id for j in jobs if j.uid in stale}
+            self.dropped = [j for j in jobs if j.group_id in groups]
+            log.info("scheduler: %d carried groups past max_staleness=%d dropped", len(groups), bound)
+            return [j for j in jobs if j.group_id not in groups]
+        self.stale_restarted = len(stale)
+        return [dataclasses.replace(j, resume_from=None) if j.uid in stale else j for j in jobs]
