@@ -156,7 +156,9 @@ class RolloutWorker:
         over-sampling, so the worker runs exactly this member and always hands back its trajectory
         (partial if it was stopped) for the driver's scheduler to classify.
         """
-        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "group_filter": None, "partial_rollout": True, "n": 1})
+        # Groups, over-admission and the staleness bound are the driver's (it saw every version in order).
+        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "group_filter": None, "partial_rollout": True,
+                                               "n": 1, "active": None, "max_staleness": None})
         self.router.pin(job.uid, url)
         try:
             res = await self.scheduler.run([job], config=scfg)
