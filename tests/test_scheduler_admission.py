@@ -129,3 +129,14 @@ async def test_without_a_target_active_bounds_the_trajectories_in_flight_until_t
     assert len(res.trajectories) == 11 and not res.carry_over
     assert engine.max_in_flight == 3 and res.metrics["refill_stop"] == "more_samples exhausted"
     assert res.metrics["samples_drawn"] == 10
+
+
+async def test_on_group_hands_over_whole_groups_in_ungrouped_runs_too() -> None:
+    """What a streaming consumer needs: no target, no filter, groups handed over as each completes."""
+    engine = FakeEngine("http://a", token_delay=0.002)
+    sched, lc = make(engine, n=3, concurrency=64)
+    await serve(lc, engine, "v1")
+    groups: list[tuple[list[str], str]] = []
+    res = await sched.run([replay("a", [3]), replay("b", [30])], on_group=lambda ms, v: groups.append(([t.uid for t in ms], v)))
+    assert groups == [(["a_0", "a_1", "a_2"], "accepted"), (["b_0", "b_1", "b_2"], "accepted")]
+    assert len(res.trajectories) == 6

@@ -32,17 +32,20 @@ def finish_all(book: GroupBook, idx, **kw) -> list[Decision]:
 def test_ungrouped_each_trajectory_is_emitted_alone_and_unfinished_ones_are_carried() -> None:
     book = GroupBook(n=2)
     assert not book.grouped
-    idx = book.add(expand_samples(prompts(2), 2))
-    assert list(idx) == [0, 1, 2, 3] and [j.uid for j in book.jobs] == ["p0_0", "p0_1", "p1_0", "p1_1"]
-    assert book.finish(2, traj(book.jobs[2])) == Decision("emitted", emit=(2,))
+    idx = book.add(expand_samples(prompts(3), 2))
+    assert list(idx) == [0, 1, 2, 3, 4, 5] and [j.uid for j in book.jobs][:4] == ["p0_0", "p0_1", "p1_0", "p1_1"]
+    assert book.finish(2, traj(book.jobs[2])) == Decision("emitted", emit=(2,))  # its group still runs
     assert book.finish(0, traj(book.jobs[0], status="aborted", reward=None)) == Decision("carried")
-    assert book.finish(1, traj(book.jobs[1], status="failed", reward=None, error="boom")).emit == (1,)
+    d = book.finish(1, traj(book.jobs[1], status="failed", reward=None, error="boom"))
+    assert d.emit == (1,) and not d.group  # p0_0 was stopped: group p0 is not decided
+    d = book.finish(3, traj(book.jobs[3]))
+    assert d.group == (2, 3) and d.group_verdict == "accepted"  # ungrouped runs decide whole groups too
     final, carry, rejected = book.partition(partial_rollout=True)
-    assert [t.uid for t in final] == ["p0_1", "p1_0"]  # input order, not finish order
-    assert [s.uid for s in carry] == ["p0_0", "p1_1"] and not rejected
+    assert [t.uid for t in final] == ["p0_1", "p1_0", "p1_1"]  # input order, not finish order
+    assert [s.uid for s in carry] == ["p0_0", "p2_0", "p2_1"] and not rejected
     assert carry[0].resume_from is not None and carry[0].resume_from.status == "aborted"  # partial kept
     assert carry[1].resume_from is None  # never started: as it came
-    assert book.started() == 3 and book.groups_wanted() == 0
+    assert book.started() == 4 and book.groups_wanted() == 0 and book.unfinished == 2
 
 
 def test_a_trajectory_cannot_finish_twice() -> None:
@@ -60,7 +63,7 @@ def test_groups_are_decided_when_their_last_member_finishes_and_the_target_stops
     assert book.grouped and book.num_groups == 3 and book.running_groups == 3
     assert book.finish(1, traj(book.jobs[1])).verdict == "pending"
     d = book.finish(0, traj(book.jobs[0]))
-    assert d == Decision("accepted", emit=(0, 1), target_reached=False, refill=True)
+    assert d == Decision("accepted", emit=(0, 1), target_reached=False, refill=True, group=(0, 1), group_verdict="accepted")
     assert book.finish(4, traj(book.jobs[4])).verdict == "pending"
     d = book.finish(3, traj(book.jobs[3]))
     assert d.verdict == "pending"
@@ -90,7 +93,7 @@ def test_a_group_with_a_failed_member_is_final_but_not_counted() -> None:
     book.add(expand_samples(prompts(1), 2))
     book.finish(0, traj(book.jobs[0]))
     d = book.finish(1, traj(book.jobs[1], status="failed", reward=None, error="tool crashed"))
-    assert d == Decision("failed", emit=(0, 1), refill=True)
+    assert d == Decision("failed", emit=(0, 1), refill=True, group=(0, 1), group_verdict="failed")
     assert book.accepted == 0 and book.groups_wanted() == 1  # the target still needs a group: draw one
     final, carry, _ = book.partition(partial_rollout=True)
     assert len(final) == 2 and not carry and book.complete_groups() == 0
@@ -112,7 +115,7 @@ def test_the_filter_rejects_groups_which_leave_the_batch_and_ask_for_more() -> N
     assert book.groups_wanted() == 0  # one running group covers the target
     book.finish(0, traj(book.jobs[0], reward=1.0))
     d = book.finish(1, traj(book.jobs[1], reward=1.0))
-    assert d == Decision("rejected", refill=True) and book.rejected == 1
+    assert d == Decision("rejected", refill=True, group=(0, 1), group_verdict="rejected") and book.rejected == 1
     assert book.groups_wanted() == 1
     added = book.add_sample(Sample(uid="fresh", messages=[]))
     assert [book.jobs[i].uid for i in added] == ["fresh_0", "fresh_1"] and book.groups_wanted() == 0

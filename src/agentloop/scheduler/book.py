@@ -70,6 +70,11 @@ class Decision:
     target_reached: bool = False
     #: A group left the running set (accepted, rejected, failed): draw more prompts if the target needs them.
     refill: bool = False
+    #: The whole group was decided now (every member finished, none carried): its indices, for a caller
+    #: that takes groups (`on_group`), with `group_verdict` "accepted", "rejected" or "failed". Ungrouped
+    #: runs decide a group too once its last member finishes (accepted: every member completed or truncated).
+    group: tuple[int, ...] = ()
+    group_verdict: str = ""
 
 
 @dataclass
@@ -164,24 +169,29 @@ class GroupBook:
         g = self._groups[gid]
         g.done += 1
         g.ok += traj.status in FINISHED_OK
+        idx = tuple(self._members[gid])
         if not self.grouped:
-            return Decision("carried") if is_unfinished(traj) else Decision("emitted", emit=(i,))
+            if is_unfinished(traj):
+                return Decision("carried")
+            if g.complete and not any(is_unfinished(self.results[k]) for k in idx):
+                return Decision("emitted", emit=(i,), group=idx, group_verdict="accepted" if g.ok == g.size else "failed")
+            return Decision("emitted", emit=(i,))
         if not g.complete:
             return Decision("pending")
-        idx = tuple(self._members[gid])
         if g.ok == g.size:
             if self.target_groups is not None and self.accepted >= self.target_groups:
                 return Decision("carried")  # past the target: kept for the next step
             if not self._accepts(gid):
                 g.rejected = True
                 self.rejected += 1
-                return Decision("rejected", refill=True)
+                return Decision("rejected", refill=True, group=idx, group_verdict="rejected")
             g.accepted = True
             self.accepted += 1
-            return Decision("accepted", emit=idx, target_reached=self.accepted == self.target_groups, refill=True)
+            return Decision("accepted", emit=idx, target_reached=self.accepted == self.target_groups, refill=True,
+                            group=idx, group_verdict="accepted")
         if any(is_unfinished(self.results[k]) for k in idx):
             return Decision("carried")  # a member was stopped unfinished: the group goes on next step
-        return Decision("failed", emit=idx, refill=True)  # final, not counted
+        return Decision("failed", emit=idx, refill=True, group=idx, group_verdict="failed")  # final, not counted
 
     def _accepts(self, group_id: str) -> bool:
         """The group filter's verdict on a complete group (no filter: accepted). A filter that raises
@@ -208,10 +218,6 @@ class GroupBook:
         if g.rejected:
             return False
         return g.ok < g.size and not any(is_unfinished(self.results[k]) for k in self._members[gid])
-
-    def group_of(self, i: int) -> list[Trajectory]:
-        """The finished members of trajectory `i`'s group, in input order."""
-        return [t for k in self._members[self.jobs[i].group_id] if (t := self.results[k]) is not None]
 
     def is_rejected(self, i: int) -> bool:
         return self._groups[self.jobs[i].group_id].rejected

@@ -131,7 +131,7 @@ class Scheduler:
         """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault.
         `more_samples` (the feeder: an iterator or async iterator of fresh samples) supplies prompts while a
         group filter keeps the step short of `target_groups`, or to keep `active` trajectories in flight.
-        `on_group(members, verdict)` is called when a group is decided (grouped runs: a target or a filter)."""
+        `on_group(members, verdict)` is called when a group is decided (every member finished, none carried)."""
         cfg = config or self.config
         run = ScheduleRun(router=self.router, runner=self._runner(), config=cfg, clock=self.clock,
                           hung_timeout=self.hung_timeout, on_trajectory=on_trajectory, more_samples=more_samples,

@@ -25,7 +25,7 @@ import anyio.abc
 from ..config.settings import SchedulerConfig
 from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
-from .book import Decision, GroupBook, expand_samples
+from .book import GroupBook, expand_samples
 from .feeder import Feeder
 from .filters import get_group_filter
 from .result import ScheduleResult, build_result
@@ -38,7 +38,8 @@ log = logging.getLogger("agentloop.scheduler")
 __all__ = ["OnGroup", "OnTrajectory", "ScheduleRun"]
 
 OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
-#: Called with a decided group's members and the verdict ("accepted", "failed" or "rejected").
+#: Called with a decided group's members (input order) and its verdict: "accepted", "failed" (a member
+#: failed) or "rejected" (the group filter); a group with a member carried over is not decided.
 OnGroup = Callable[[list[Trajectory], str], "Awaitable[None] | None"]
 
 
@@ -204,19 +205,14 @@ class ScheduleRun:
                 r = self.on_trajectory(self.book.results[k])  # type: ignore[arg-type]
                 if r is not None:
                     await r
-        if self.on_group is not None and decision.verdict in ("accepted", "failed", "rejected"):
-            r = self.on_group(self._members(i, decision), decision.verdict)
+        if self.on_group is not None and decision.group:
+            r = self.on_group([self.book.results[k] for k in decision.group], decision.group_verdict)  # type: ignore[misc]
             if r is not None:
                 await r
         if decision.target_reached:
             log.info("target of %d complete groups reached: stopping %d running trajectories",
                      self.cfg.target_groups, len(self.sessions))
             self.stop("early stop: target groups reached", early=True)
-
-    def _members(self, i: int, decision: Decision) -> list[Trajectory]:
-        if decision.emit:
-            return [self.book.results[k] for k in decision.emit]  # type: ignore[misc]
-        return self.book.group_of(i)
 
     # ------------------------------------------------------------------ the feeder
     def _wants_more(self) -> bool:
