@@ -42,12 +42,15 @@ from ..base import ToolError
 from .interpreter import InterpreterFiles, shared_libraries
 
 __all__ = [
-    "BOOT_DIR", "DATA_DIRS", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
-    "find_host_tools", "sandbox_command",
+    "BIN_DIR", "BOOT_DIR", "DATA_DIRS", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "LIB_DIR", "PYTHON_DIR", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
+    "find_host_tools", "inside_paths", "sandbox_command",
 ]
 
 SCRATCH = "/tmp"  # the fresh tmpfs: cwd, HOME and TMPDIR of the code
 BOOT_DIR = "/opt/agentloop"  # where the boot script is mounted inside
+PYTHON_DIR = "/opt/agentloop/python"  # the interpreter's prefix inside (bin/, lib/pythonX.Y/)
+LIB_DIR = "/opt/agentloop/lib"  # the shared objects the interpreter and the helpers load
+BIN_DIR = "/opt/agentloop/bin"  # setpriv and unshare (root chain)
 INSIDE_UID = 1000
 HOST_UID_WHEN_ROOT = 65534
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -114,19 +117,48 @@ def _inside(path: str, dirs: Sequence[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+def inside_paths(interp: InterpreterFiles) -> dict[str, str]:
+    """Host path -> path inside the sandbox of the interpreter's binary and standard library: under
+    `PYTHON_DIR`, so neither the code's argv (/proc/1/cmdline) nor the mount points name the host's
+    layout (a home directory, a pyenv or uv tree). The interpreter finds its standard library from where
+    its binary is (the `lib/pythonX.Y/os.py` landmark next to `bin/`), so the relative layout is kept."""
+    def under_prefix(path: str) -> str:
+        if _inside(path, [interp.prefix]):
+            return os.path.normpath(PYTHON_DIR + "/" + os.path.relpath(path, interp.prefix))
+        return path  # a distribution's odd layout: kept where it is
+    mapped = {interp.executable: under_prefix(interp.executable)}
+    if not _inside(interp.executable, [interp.prefix]):
+        mapped[interp.executable] = f"{PYTHON_DIR}/bin/{os.path.basename(interp.executable)}"
+    mapped.update({d: under_prefix(d) for d in interp.stdlib})
+    return mapped
+
+
+def _library_dest(lib: str) -> str:
+    # the dynamic loader must stay where the binaries' PT_INTERP names it; the rest is found through
+    # LD_LIBRARY_PATH=LIB_DIR (before any RUNPATH of the host's layout, which then names nothing)
+    return lib if os.path.basename(lib).startswith("ld-linux") or lib.startswith("/lib64/") else (
+        f"{LIB_DIR}/{os.path.basename(lib)}")
+
+
 def sandbox_command(
     tools: HostTools, interp: InterpreterFiles, *, root: bool, boot: str, scratch_bytes: int,
     readable: Sequence[str] = (), site_packages: bool = False, python_args: Sequence[str] = (),
+    scratch_by_boot: bool = False,
 ) -> list[str]:
-    """The argv that runs `interp` (with `python_args`) in the sandbox. `readable`: extra host paths the
-    operator exposes read-only (at the same path); `site_packages`: also the interpreter's site-packages."""
-    ro: list[tuple[str, str]] = [(interp.executable, interp.executable)]
-    ro += [(d, d) for d in interp.stdlib]
-    ro += [(lib, lib) for lib in interp.libraries]
+    """The argv that runs `interp` (with `python_args`) in the sandbox, as PID 1 of its PID namespace.
+    `readable`: extra host paths the operator exposes read-only (at the same path); `site_packages`: also
+    the interpreter's site-packages (at the same path); `scratch_by_boot`: the boot mounts the scratch
+    tmpfs itself (with an inode limit bubblewrap cannot set), so the interpreter starts with
+    CAP_SYS_ADMIN of its own user namespace, which the boot drops right after that mount."""
+    inside = inside_paths(interp)
+    ro: list[tuple[str, str]] = [(host, dest) for host, dest in inside.items()]
+    libs = list(interp.libraries)
     if root:
         assert tools.setpriv and tools.unshare
-        ro += [(tools.setpriv, tools.setpriv), (tools.unshare, tools.unshare)]
-        ro += [(lib, lib) for lib in tools.libraries]
+        ro += [(tools.setpriv, f"{BIN_DIR}/setpriv"), (tools.unshare, f"{BIN_DIR}/unshare")]
+        libs += tools.libraries
+    for lib in dict.fromkeys(libs):
+        ro.append((lib, _library_dest(lib)))
     ro.append((boot, f"{BOOT_DIR}/_sandbox_boot.py"))
     ro += [(os.path.realpath(d), d) for d in DATA_DIRS if os.path.isdir(d)]
     if site_packages:
@@ -134,19 +166,23 @@ def sandbox_command(
     ro += [(os.path.realpath(p), os.path.realpath(p)) for p in readable]
     # one mount per destination; a file or directory already inside a bound directory comes with it
     binds: dict[str, str] = {}
-    bound_dirs: list[str] = []
+    bound: list[tuple[str, str]] = []  # (dest dir, its source) of directories bound so far
     for src, dest in sorted(ro, key=lambda sd: (sd[1].count("/"), sd[1])):
-        if dest in binds or (src == dest and _inside(dest, bound_dirs)):
+        if dest in binds or any(_inside(dest, [d]) and _inside(src, [s]) and
+                                os.path.relpath(dest, d) == os.path.relpath(src, s) for d, s in bound):
             continue
         binds[dest] = src
-        if src == dest and os.path.isdir(src):
-            bound_dirs.append(dest)
+        if os.path.isdir(src):
+            bound.append((dest, src))
     hidden = [] if site_packages else [
-        str(p) for d in interp.stdlib for p in [Path(d, "site-packages")] if p.is_dir()
+        os.path.normpath(inside[d] + "/site-packages") for d in interp.stdlib if Path(d, "site-packages").is_dir()
     ]
     # Host paths under SCRATCH (a venv or checkout in /tmp) are bound after the scratch tmpfs is mounted,
     # else that tmpfs would hide them (site-packages of a venv in /tmp vanished in a CI clone under /tmp).
     in_scratch = {d: src for d, src in binds.items() if _inside(d, [SCRATCH]) and d != SCRATCH}
+    if in_scratch and scratch_by_boot:
+        raise ValueError("the boot cannot mount the scratch tmpfs over host paths bound inside it: "
+                         + ", ".join(in_scratch))
     binds = {d: src for d, src in binds.items() if d not in in_scratch}
     dests = [*binds, *DEVICES, SCRATCH, *hidden]
     parents = sorted({str(p) for d in dests for p in Path(d).parents if str(p) != "/"} - set(binds),
@@ -154,12 +190,18 @@ def sandbox_command(
     scratch_parents = sorted({str(p) for d in in_scratch for p in Path(d).parents if _inside(str(p), [SCRATCH])}
                              - {SCRATCH} - set(in_scratch), key=lambda p: (p.count("/"), p))
 
-    cmd = [tools.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    # --as-pid-1: the interpreter itself is PID 1 (no bubblewrap reaper that runs outside the seccomp
+    # filter and the rlimits, whose memory /proc/1/mem would expose to same-uid code); when it exits the
+    # kernel kills whatever else the namespace holds.
+    cmd = [tools.bwrap, "--unshare-ipc", "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-uts",
+           "--unshare-cgroup-try"]
     if not root:
         cmd += ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--disable-userns",
                 "--cap-drop", "ALL"]
+        if scratch_by_boot:
+            cmd += ["--cap-add", "CAP_SYS_ADMIN"]
     cmd += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
-            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH]
+            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH, "--setenv", "LD_LIBRARY_PATH", LIB_DIR]
     for d in parents:  # bwrap would create missing parents 0700: unreadable for the unprivileged uid
         cmd += ["--dir", d]
     for dest, src in binds.items():
@@ -178,10 +220,17 @@ def sandbox_command(
     # is not root: read-only, so /tmp (a mount of its own) is the only place to write
     cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--"]
     if root:
-        cmd += [tools.setpriv, f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
-                tools.unshare, "--user", f"--map-user={INSIDE_UID}", f"--map-group={INSIDE_UID}", "--"]
-    return [*cmd, interp.executable, *python_args]
+        # setpriv's uid change clears the parent-death signal bubblewrap set: set it again, so that
+        # killing bubblewrap kills this PID 1 (and with it the namespace)
+        cmd += [f"{BIN_DIR}/setpriv", f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}",
+                "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--pdeathsig=KILL",
+                "--", f"{BIN_DIR}/unshare", "--user", f"--map-user={INSIDE_UID}", f"--map-group={INSIDE_UID}"]
+        if scratch_by_boot:
+            # the new user namespace's capabilities kept across the exec (ambient), so that the boot may
+            # make a mount namespace of its own and mount the scratch tmpfs there; it drops them right after
+            cmd += ["--keep-caps"]
+        cmd += ["--"]
+    return [*cmd, inside[interp.executable], *python_args]
 
 
 # What a failing stage prints first, and what it means for whoever runs the worker.
@@ -192,6 +241,7 @@ _CAUSES = (
     ("Operation not permitted", "the kernel refused an isolation step (namespaces or mounts are blocked here)"),
     ("setpriv:", "could not drop to an unprivileged user"),
     ("sandbox-boot:", "the sandboxed interpreter could not confirm its isolation"),
+    ("sandbox-cgroup:", "the sandbox could not enter its memory cgroup"),
 )
 
 
