@@ -1,20 +1,25 @@
 """Bootstrap of the `python` tool's child interpreter (run as `python -I -S -B -u _sandbox_boot.py CONFIG`).
 
-It is the first code in the child, uses only the standard library (plus seccompy, mounted read-only by
-the kernel sandbox) and runs before any model code. In order, it:
-1. reads the model's code from stdin (then stdin is /dev/null),
+It is the first code in the child, uses only the standard library (plus ctypes for the kernel calls) and
+runs before any model code. In the kernel sandbox it is PID 1 of its PID namespace. In order, it:
+1. reads its config; as PID 1, makes the signals a namespace's init would ignore (SIGXCPU of the CPU
+   limit, SIGALRM, SIGTERM, ...) end it with status 128 + signal,
 2. sets resource limits with hard == soft (CPU seconds, address space, processes, file size, open
-   files, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code raise a hard limit,
-3. loads the seccomp filter the parent sent (`agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
-   namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...) — irreversible, and
+   files, POSIX message queues, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code
+   raise a hard limit,
+3. when asked (`mount_scratch`), enters a mount namespace of its own, mounts the scratch tmpfs with
+   `size=` and `nr_inodes=` (bubblewrap cannot set an inode limit), then drops every capability,
+4. loads the seccomp filter the parent sent (`agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
+   namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...; without a memory
+   cgroup also SysV shm/msg, memfd, POSIX mqueues — and checks those are refused) — irreversible, and
    inherited by every thread,
-4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
+5. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
    seccomp in filter mode, a user namespace whose uids are not host root, a network namespace with
-   nothing but its loopback, a PID namespace of its own, a tmpfs root where only scratch, /proc and the
-   device nodes are mounted writable — and exits with status 111 and a
+   nothing but its loopback, PID 1 of a PID namespace, a tmpfs root where only scratch, /proc and the
+   device nodes are mounted writable, a scratch with its inode limit — and exits with status 111 and a
    "sandbox-boot:" message instead of running the code when any of it does not hold,
-5. enters the scratch directory,
-6. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
+6. enters the scratch directory,
+7. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
    hold on their own), installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
    - opening a file for writing, or any path-changing os call (mkdir, remove, rename, link, chmod, ...),
      outside the scratch directory (paths are resolved with realpath; paths with ".." and creating
@@ -27,7 +32,7 @@ the kernel sandbox) and runs before any model code. In order, it:
    - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/...,
    and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot`/`setpriority`/`sched_set*`
    from os/posix/signal,
-7. runs the code as `__main__` in a fresh module namespace.
+8. runs the code as `__main__` in a fresh module namespace.
 
 The audit hook is defence in depth only: code in the same interpreter can switch it off (e.g. with
 hand-made code objects that write the interpreter's memory). The guarantees come from the kernel:

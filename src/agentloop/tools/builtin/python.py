@@ -6,7 +6,10 @@ Model-written code is hostile. Where it runs is chosen with `sandbox` (the tools
   a root that holds only the interpreter, its standard library and their shared objects (read-only) and a
   fresh size-limited tmpfs at /tmp (cwd, HOME, TMPDIR); a seccomp filter (no fork/exec, ptrace, mounts,
   namespaces, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...); rlimits on CPU time, address
-  space, processes/threads, file size and open files; an empty environment (HOME/TMPDIR only). The
+  space, processes/threads, file size and open files; a memory + pids cgroup per call where the host
+  delegates one (`memory_cgroup`, `cgroup_parent`; without one, seccomp also refuses SysV shm, memfd and
+  message queues, and the log says so once); a scratch tmpfs with an inode limit (`max_scratch_files`);
+  the interpreter is PID 1 of its PID namespace; an empty environment (HOME/TMPDIR only). The
   whole process tree dies when the call ends, times out or is cancelled. See
   `agentloop/tools/sandbox/namespaces.py` for the chain and docs/sandbox.md for the threat model.
   If the host cannot provide this, every call is refused with `SandboxUnavailable` saying what is missing

