@@ -131,9 +131,43 @@ def _v2(parent: str, sh: str) -> CgroupHost | str:
     return why if why else CgroupHost(2, parent, None, sh)
 
 
-@functools.lru_cache(maxsize=4)
+def _remove_stale(parent: str | None) -> None:
+    """Remove the empty call cgroups a worker that died before its calls ended left behind (their names
+    carry the worker's pid; a live worker's are left alone)."""
+    if parent is None:
+        return
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith(_NAME + "-") or len(parts) != 4 or not parts[2].isdigit():
+            continue
+        pid = int(parts[2])
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.rmdir(os.path.join(parent, name))
+            except OSError:
+                pass
+
+
 def find_cgroup_host(parent: str | None = None) -> CgroupHost | str:
-    """The host's delegated cgroup subtree for sandboxes, or a sentence saying why there is none."""
+    """The host's delegated cgroup subtree for sandboxes, or a sentence saying why there is none (probed
+    once per process; stale call cgroups of dead workers are removed when one is found)."""
+    found = _find_cgroup_host(parent)
+    if isinstance(found, CgroupHost) and _cleaned.setdefault(found, False) is False:
+        _cleaned[found] = True
+        _remove_stale(found.memory_parent)
+        _remove_stale(found.pids_parent)
+    return found
+
+
+_cleaned: dict[CgroupHost, bool] = {}
+
+
+@functools.lru_cache(maxsize=4)
+def _find_cgroup_host(parent: str | None = None) -> CgroupHost | str:
     sh = next((p for p in ("/bin/sh", "/usr/bin/sh") if os.access(p, os.X_OK)), None)
     if sh is None:
         return "no /bin/sh to enter the call's cgroup with"
