@@ -278,3 +278,59 @@ def test_pid1_is_the_filtered_interpreter_unprivileged_worker():
     host_paths = [str(Path(__file__).resolve().parents[1]), sys.prefix, str(Path.home()), py,
                   f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}"]
     _check_pid1_report(json.loads(out["stdout"]), host_paths)
+
+
+@pytest.mark.skipif(not isinstance(CGROUP, CgroupHost), reason=f"no delegated cgroup here: {CGROUP}")
+async def test_the_call_runs_in_its_own_cgroup_with_its_limits():
+    """Seen from the host while the call runs: one cgroup for the call, holding its processes, with
+    memory_mb and max_processes (+ the sandbox's own tasks) as its limits."""
+    assert isinstance(CGROUP, CgroupHost)
+    tool = PythonTool(audit_hook=False, memory_mb=300, max_processes=7)
+    seen: dict = {}
+
+    async def watch() -> None:
+        prefix = f"agentloop-sbx-{os.getpid()}-"
+        while not seen:
+            for name in os.listdir(CGROUP.memory_parent):
+                d = os.path.join(CGROUP.memory_parent, name)
+                if name.startswith(prefix) and Path(d, "cgroup.procs").read_text().split():
+                    mem = "memory.max" if CGROUP.version == 2 else "memory.limit_in_bytes"
+                    pids_dir = d if CGROUP.version == 2 else (os.path.join(CGROUP.pids_parent, name) if CGROUP.pids_parent else None)
+                    seen.update(memory=int(Path(d, mem).read_text()), procs=Path(d, "cgroup.procs").read_text().split(),
+                                pids_max=Path(pids_dir, "pids.max").read_text().strip() if pids_dir else None)
+            await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        out = await tool.run_code("import time; time.sleep(1.5)")
+        tg.cancel_scope.cancel()
+    assert out.returncode == 0, out
+    assert seen["memory"] == 300 * MiB and len(seen["procs"]) >= 2, seen  # bubblewrap and the interpreter
+    assert seen["pids_max"] in (None, str(7 + 3)), seen
+
+
+def test_cgroup_v2_detection_and_limits(tmp_path):
+    """cgroup v2 as a delegated subtree offers it (this machine has v1 only: the files are played by a
+    directory here, so this checks what is read and written, not the kernel)."""
+    from agentloop.tools.sandbox.cgroup import CallCgroup, _v2
+
+    parent = tmp_path / "worker.slice"
+    parent.mkdir()
+    (parent / "cgroup.controllers").write_text("cpu memory pids\n")
+    (parent / "cgroup.subtree_control").write_text("")
+    host = _v2(str(parent), "/bin/sh")
+    assert isinstance(host, CgroupHost) and host.version == 2
+    assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids"
+    (parent / "cgroup.controllers").write_text("cpu\n")
+    assert "does not offer memory, pids" in _v2(str(parent), "/bin/sh")
+    call = CallCgroup(host, memory_bytes=512 * MiB, max_tasks=19)
+    d = Path(call.memory_dir)
+    assert d.parent == parent and (d / "memory.max").read_text() == str(512 * MiB) and (d / "pids.max").read_text() == "19"
+    argv = call.join_argv(["bwrap", "--x"])
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[4:] == [str(d / "cgroup.procs"), "--", "bwrap", "--x"]
+    # the join is real: sh writes its own pid there, then execs the command
+    r = subprocess.run(argv[:5] + ["--", "sh", "-c", "echo $$"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and (d / "cgroup.procs").read_text().strip() == r.stdout.strip()
+    for f in d.iterdir():
+        f.unlink()
+    assert call.remove(wait=1) and not d.exists()
