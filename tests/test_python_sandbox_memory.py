@@ -334,3 +334,35 @@ def test_cgroup_v2_detection_and_limits(tmp_path):
     for f in d.iterdir():
         f.unlink()
     assert call.remove(wait=1) and not d.exists()
+
+
+OTHER_ROUTES = """
+import ctypes, json, mmap, os
+libc = ctypes.CDLL(None, use_errno=True)
+r = {}
+def attempt(name, fn):
+    try:
+        r[name] = "OK %r" % (fn(),)
+    except BaseException as e:
+        r[name] = "%s: %s" % (type(e).__name__, e)
+r["dev_shm"] = os.path.exists("/dev/shm")
+attempt("shm_file", lambda: open("/dev/shm/bomb", "wb"))
+def shared_anon():  # MAP_SHARED|MAP_ANONYMOUS is shmem too: counted in the address space
+    m = mmap.mmap(-1, 700 << 20, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    m[:: 1 << 12] = b"x" * len(range(0, 700 << 20, 1 << 12))
+attempt("shared_anon_700MiB", shared_anon)
+attempt("mq_open", lambda: (libc.mq_open(b"/bomb", 0o100 | 2, 0o600, None), ctypes.get_errno()))
+print(json.dumps(r))
+"""
+
+
+@pytest.mark.parametrize("mode", _modes())
+async def test_other_shared_memory_routes_are_closed(mode):
+    """No /dev/shm (so no POSIX shm_open), shared anonymous maps count against RLIMIT_AS, POSIX message
+    queues refused (RLIMIT_MSGQUEUE 0; seccomp's EPERM without a cgroup)."""
+    out = await PythonTool(audit_hook=False, timeout=30, memory_mb=512, memory_cgroup=mode).run_code(OTHER_ROUTES)
+    r = json.loads(out.stdout)
+    assert r["dev_shm"] is False and r["shm_file"].startswith("FileNotFoundError"), r
+    assert r["shared_anon_700MiB"].startswith("OSError: [Errno 12]"), r  # ENOMEM: beyond the address space
+    rc, err = json.loads(r["mq_open"][3:].replace("(", "[").replace(")", "]"))
+    assert rc == -1 and err in ((1,) if mode == "off" else (1, 12, 24)), r  # EPERM / ENOMEM / EMFILE
