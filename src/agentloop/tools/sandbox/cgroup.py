@@ -114,12 +114,12 @@ def _can_make_children(parent: str) -> str | None:
 def _v2(parent: str, sh: str) -> CgroupHost | str:
     try:
         available = _read(os.path.join(parent, "cgroup.controllers")).split()
+        enabled = _read(os.path.join(parent, "cgroup.subtree_control")).split()
     except OSError as e:
         return f"cgroup v2 at {parent} unreadable: {e.strerror}"
     missing = [c for c in ("memory", "pids") if c not in available]
     if missing:
         return f"cgroup v2 at {parent} does not offer {', '.join(missing)}"
-    enabled = _read(os.path.join(parent, "cgroup.subtree_control")).split()
     if not {"memory", "pids"} <= set(enabled):
         try:
             _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
