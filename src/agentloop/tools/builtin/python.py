@@ -311,8 +311,10 @@ class PythonTool(Tool):
         if self.memory_cgroup == "require":
             raise SandboxUnavailable(f"python tool sandbox unavailable: memory_cgroup: require, but no cgroup can be "
                                      f"used: {why}")
-        self.memory_enforcement = ("rlimits + seccomp (no memory cgroup: SysV shm, memfd and message queues refused, "
-                                   "scratch inodes capped by the tmpfs)")
+        inodes = ("scratch inodes capped by the tmpfs" if _scratch_by_boot(
+            self.readable_paths, list(_interpreter(self.python).site_packages) if self.allow_site_packages else [])
+            else "scratch inodes NOT capped: host paths are bound inside /tmp, so bubblewrap mounts it")
+        self.memory_enforcement = f"rlimits + seccomp (no memory cgroup: SysV shm, memfd and message queues refused, {inodes})"
         logger.warning("python tool: no memory cgroup for the sandbox (%s); memory is bounded by %s", why,
                        self.memory_enforcement)
 
