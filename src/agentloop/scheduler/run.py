@@ -11,6 +11,19 @@ The parts it orchestrates, each with one job:
 
 The run's own state is what happens in time: the task group, the concurrency limit, the sessions of
 running trajectories, whether (and why) it is stopping, and where fresh prompts come from.
+
+As a stream (a trainer that takes groups as they finish), through `Scheduler`:
+
+    result = await scheduler.run([], more_samples=queue_of_samples,      # sync or async iterable
+                                 config=cfg.model_copy(update={"active": 512}),
+                                 on_group=hand_group_to_trainer)           # (members, verdict)
+    ...
+    scheduler.stop("weights changed")   # from another task: returns at once (see stop())
+
+`on_group` gets each group once every member finished (none carried), with its verdict; `stop`
+cuts tool waits, aborts the requests in flight in one round and cancels the wait on the feeder, and
+`result.carry_over` holds the unfinished trajectories (partials) for the next run. Weight versions
+changed in flight are counted for staleness once recorded with `scheduler.versions.observe(v)`.
 """
 
 from __future__ import annotations
