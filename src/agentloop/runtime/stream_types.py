@@ -123,16 +123,17 @@ def staleness_histogram(trajectories: Iterable[Trajectory], book: VersionBook, n
 
 
 def apply_staleness_bound(carry: Sequence[Sample], book: VersionBook, max_staleness: int | None,
-                          policy: StalePolicy = "restart") -> tuple[list[Sample], list[Sample]]:
+                          policy: StalePolicy = "restart", *, now: int | None = None) -> tuple[list[Sample], list[Sample]]:
     """The colocated step's bound on carried partial rollouts, group by group: a carried group any of
     whose members' first token is more than `max_staleness` versions old is restarted from its prompt
     ("restart": every member's `resume_from` cleared, so the whole group is sampled again under one
-    policy) or dropped ("drop"). Returns (samples to pass on, samples restarted or dropped). `None`:
-    no bound."""
+    policy) or dropped ("drop"). Ages count to `now` (default: the current version; a trainer about
+    to load its next weights passes `book.current + 1`). Returns (samples to pass on, samples
+    restarted or dropped). `None`: no bound."""
     if max_staleness is None:
         return list(carry), []
     stale_groups = {s.group_id or s.uid for s in carry
-                    if s.resume_from is not None and book.first_token_age(s.resume_from) > max_staleness}
+                    if s.resume_from is not None and book.first_token_age(s.resume_from, now) > max_staleness}
     kept: list[Sample] = []
     hit: list[Sample] = []
     for s in carry:
