@@ -109,7 +109,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
         methods: list[tuple[str, Callable[[], Any], int]] = []  # (name, send once, requests per update)
         async with SGLangClient(engine.url, timeout=600) as client:
             # the raw ways build SGLang's own CUDA-IPC payloads: only against a server that takes them
-            sglang = await client.resolve_tensor_transport() == "cuda_ipc"
+            sglang = await client.served.resolve_tensor_transport() == "cuda_ipc"
             methods.append(("agentloop", lambda: client.update_weights_from_tensor(named, flush_cache=True), 1))
             if sglang:
                 methods.append(("one_request", lambda: send_raw(client, [named], flattened=False), 1))

@@ -207,11 +207,11 @@ async def test_out_of_vocab_ids_refused_before_sending(replay, client, tmp_path)
     async with SGLangClient(replay.url) as c:
         with pytest.raises(EngineError, match="out of vocabulary"):
             await c.generate([1000], SamplingParams(max_new_tokens=1))
-        assert c.vocab_size == 1000
+        assert c.served.vocab_size == 1000
     replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": "/elsewhere/on/a/remote/host"}))
     async with SGLangClient(replay.url) as c:
         await c.generate([10**6], SamplingParams(max_new_tokens=1))  # unknowable: unchecked, sent
-        assert c.vocab_size is None
+        assert c.served.vocab_size is None
     async with SGLangClient(replay.url, vocab_size=None) as c:
         await c.generate([10**6], SamplingParams(max_new_tokens=1))
 
@@ -323,7 +323,7 @@ async def test_update_weights_from_tensor_safetensors_transport(replay, client) 
 
 
 async def test_update_weights_success_false_raises_with_message(replay, client) -> None:
-    client.tensor_transport = "safetensors"
+    client.served.tensor_transport = "safetensors"
     replay.on("POST", "/update_weights_from_tensor", lambda _b: web.json_response(
         {"success": False, "message": "Attempted to load weight (torch.Size([3])) into parameter (torch.Size([4]))"},
         status=400))
@@ -344,8 +344,8 @@ async def test_real_server_info_selects_sglang_transport(replay, client) -> None
     info = {k: None for k in keys}
     info["tp_size"] = 2
     replay.on("GET", "/server_info", lambda _b: web.json_response(info))
-    assert await client.resolve_tensor_transport() == "cuda_ipc"
-    assert client._tp_size == 2
+    assert await client.served.resolve_tensor_transport() == "cuda_ipc"
+    assert client.served.tp_size == 2
 
 
 async def test_tensor_updates_to_sglang_checked_against_the_model_before_sending(replay, client, tmp_path) -> None:
@@ -364,19 +364,19 @@ async def test_tensor_updates_to_sglang_checked_against_the_model_before_sending
     # a trainer's full state dict (tied lm_head included) passes
     good = [("model.embed_tokens.weight", torch.zeros(100, 32)), ("lm_head.weight", torch.zeros(100, 32)),
             ("model.layers.0.mlp.gate_proj.weight", torch.zeros(64, 32)), ("model.norm.weight", torch.zeros(32))]
-    await client.check_named_tensors(good)
+    await client.served.check_named_tensors(good)
     # prepare() looks everything up ahead of the first update: nothing left to ask afterwards
     async with SGLangClient(replay.url) as c:
         await c.prepare()
-        assert c.tensor_transport == "cuda_ipc" and c._tp_size == 1 and c.vocab_size == 100
-        assert c._param_shapes["model.norm.weight"] == (32,)  # type: ignore[index]
+        assert c.served.tensor_transport == "cuda_ipc" and c.served.tp_size == 1 and c.served.vocab_size == 100
+        assert c.served.param_shapes["model.norm.weight"] == (32,)  # type: ignore[index]
         n = len(replay.requests)
-        await c.check_named_tensors(good)
+        await c.served.check_named_tensors(good)
         assert len(replay.requests) == n
     # formats other than HF names are not checked; a remote server's model is unknown: not checked
     replay.on("GET", "/model_info", lambda _b: web.json_response({"model_path": "/not/on/this/host"}))
     async with SGLangClient(replay.url) as c:
-        await c.check_named_tensors([("anything", torch.zeros(1))])
+        await c.served.check_named_tensors([("anything", torch.zeros(1))])
 
 
 async def test_distributed_group_calls(replay, client) -> None:

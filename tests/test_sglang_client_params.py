@@ -134,7 +134,7 @@ async def test_launch_facts_are_asked_once(local_engine: str) -> None:
 
     async with Counting(local_engine) as c:
         await c.prepare()
-        assert await c.resolve_tensor_transport() == "safetensors" and isinstance(await c.resolve_vocab_size(), int)
-        assert c._tp_size == 1 and Counting.asked == 1
+        assert await c.served.resolve_tensor_transport() == "safetensors" and isinstance(await c.served.resolve_vocab_size(), int)
+        assert c.served.tp_size == 1 and Counting.asked == 1
         await c.server_info()  # a direct call still asks the server (its internal_states change)
         assert Counting.asked == 2

@@ -220,7 +220,7 @@ async def test_out_of_vocab_id_sent_to_real_sglang(tool_server) -> None:
 
     server, model_dir = tool_server
     async with SGLangClient(server.url, timeout=60) as c:
-        vocab = await c.resolve_vocab_size()
+        vocab = await c.served.resolve_vocab_size()
         assert vocab, "the client should learn the vocab size from the served folder's config.json"
         with pytest.raises(EngineError, match="refused before sending"):
             await c.generate([1, vocab + 3], SamplingParams(max_new_tokens=2))

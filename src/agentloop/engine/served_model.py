@@ -1,6 +1,6 @@
 """What an SGLang client learns about the model a server serves, and the checks it makes with it
-before sending: a mixin of `SGLangClient` (it uses the client's `server_info()`, `model_info()` and
-`url`; lookups are made once and cached on the client).
+before sending: `ServedModel`, one per client (`SGLangClient.served`). It asks the server through the
+two reads it is given (`/server_info`, `/model_info`); each lookup is made once and cached here.
 
 Out-of-vocabulary input ids are refused before sending: sglang 0.5.17 defines an input-id vocabulary
 check but never calls it, so such an id reaches the embedding lookup of the scheduler. The vocabulary
@@ -16,11 +16,10 @@ scheduler. The CPU engine checks both itself and answers 400.
 
 from __future__ import annotations
 
-import abc
 import json
 import logging
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import anyio
 
@@ -32,34 +31,49 @@ log = logging.getLogger(__name__)
 TensorTransport = Literal["auto", "safetensors", "cuda_ipc"]
 
 
-class ServedModelChecks(abc.ABC):
-    """Vocabulary size, parameter shapes, tensor transport and TP size of the served model, looked up
-    lazily (or up front by `prepare()`), and the pre-send checks that use them."""
+class ServedModel:
+    """Vocabulary size, parameter shapes, tensor transport and TP size of the model one server serves,
+    looked up lazily (or up front by `prepare()`), and the pre-send checks that use them.
 
-    url: str
-    tensor_transport: TensorTransport
-    vocab_size: int | None | Literal["auto"]
-    weight_check: bool
-    _tp_size: int | None
-    _lookup_lock: anyio.Lock | None
-    _param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"]
+    `server_info` / `model_info`: the client's reads of `GET /server_info` and `GET /model_info`.
+    `tensor_transport` / `vocab_size`: "auto" to look up, or given by the caller.
+    """
 
-    #: The first `/server_info` answer: its launch facts (vocab size, TP size, tensor transport) do not
-    #: change while the server runs, so the lookups share one request.
-    _launch_info: dict[str, Any] | None = None
-
-    @abc.abstractmethod
-    async def server_info(self) -> dict[str, Any]:
-        """`GET /server_info` of the client this mixes into."""
+    def __init__(
+        self,
+        url: str,
+        server_info: Callable[[], Awaitable[dict[str, Any]]],
+        model_info: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        tensor_transport: TensorTransport = "auto",
+        vocab_size: int | None | Literal["auto"] = "auto",
+        weight_check: bool = True,
+    ) -> None:
+        if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
+            raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
+        self.url = url
+        self._server_info = server_info
+        self._model_info = model_info
+        self.tensor_transport: TensorTransport = tensor_transport
+        #: "auto" until looked up; then the size, or None when it cannot be known (ids go unchecked)
+        self.vocab_size: int | None | Literal["auto"] = vocab_size
+        self.weight_check = weight_check
+        self.tp_size: int | None = None
+        self.param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"] = "auto"
+        self._lookup_lock: anyio.Lock | None = None
+        #: The first `/server_info` answer: its launch facts (vocab size, TP size, tensor transport) do not
+        #: change while the server runs, so the lookups share one request.
+        self._launch_info: dict[str, Any] | None = None
 
     async def launch_info(self) -> dict[str, Any]:
         if self._launch_info is None:
-            self._launch_info = await self.server_info()
+            self._launch_info = await self._server_info()
         return self._launch_info
 
-    @abc.abstractmethod
-    async def model_info(self) -> dict[str, Any]:
-        """`GET /model_info` of the client this mixes into."""
+    async def resolved_tp_size(self) -> int:
+        if self.tp_size is None:
+            self.tp_size = int((await self.launch_info()).get("tp_size") or 1)
+        return self.tp_size
 
     async def resolve_vocab_size(self) -> int | None:
         """The model's vocabulary size, looked up once (see module docstring); None if unknowable."""
@@ -96,13 +110,13 @@ class ServedModelChecks(abc.ABC):
 
     async def local_model_folder(self) -> Path | None:
         """The served model's folder if it is readable here (a server on this host), else None."""
-        path = (await self.model_info()).get("model_path")
+        path = (await self._model_info()).get("model_path")
         folder = Path(str(path)) if path else None
         return folder if folder is not None and (folder / "config.json").is_file() else None
 
     async def resolve_param_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """HF parameter name → shape of the served model (its config.json on the meta device), or None."""
-        if self._param_shapes == "auto":
+        if self.param_shapes == "auto":
             shapes: dict[str, tuple[int, ...]] | None = None
             try:
                 folder = await self.local_model_folder()
@@ -110,8 +124,8 @@ class ServedModelChecks(abc.ABC):
                     shapes = await anyio.to_thread.run_sync(hf_param_shapes, folder)
             except Exception as e:  # noqa: BLE001 - any failure only disables the pre-check
                 log.warning("parameter shapes of %s unknown (%s): weight updates go unchecked", self.url, e)
-            self._param_shapes = shapes
-        return self._param_shapes  # type: ignore[return-value]
+            self.param_shapes = shapes
+        return self.param_shapes  # type: ignore[return-value]
 
     async def check_named_tensors(self, named: Sequence[tuple[str, Any]]) -> None:
         """Refuse (before sending) names the model does not have and shapes that differ from its own."""
@@ -133,6 +147,6 @@ class ServedModelChecks(abc.ABC):
         """`safetensors` for the CPU engine, `cuda_ipc` for real SGLang (asked once, then cached)."""
         if self.tensor_transport == "auto":
             info = await self.launch_info()
-            self._tp_size = int(info.get("tp_size") or 1)
+            self.tp_size = int(info.get("tp_size") or 1)
             self.tensor_transport = "safetensors" if info.get("tensor_transport") == "safetensors" else "cuda_ipc"
         return self.tensor_transport

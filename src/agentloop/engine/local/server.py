@@ -265,7 +265,7 @@ def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None,
     return app
 
 
-# ---- `agentloop serve` (arguments in agentloop/commands/serve.py, kept light for the CLI) ----------
+# ---- `agentloop serve` (arguments in src/agentloop/commands/serve.py, kept light for the CLI) ----------
 def _default_model() -> str | None:
     try:
         from agentloop.models import tiny_tool_model  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ from ..base import (
     parse_generate_response,
 )
 from ..lifecycle_types import served_version
-from ..served_model import ServedModelChecks, TensorTransport
+from ..served_model import ServedModel, TensorTransport
 from ..weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
 from .error_body import error_message
 from .transport import DEFAULT_KEEPALIVE_SECONDS, HttpTransport
@@ -51,7 +51,7 @@ from .transport import DEFAULT_KEEPALIVE_SECONDS, HttpTransport
 log = logging.getLogger(__name__)
 
 
-class SGLangClient(HttpTransport, ServedModelChecks):
+class SGLangClient(HttpTransport):
     """Async client of one SGLang-compatible HTTP server (real SGLang or `agentloop serve`).
 
     `timeout` bounds every control call; `generate_timeout` bounds a generate unless the call gives
@@ -78,8 +78,6 @@ class SGLangClient(HttpTransport, ServedModelChecks):
         weight_check: bool = True,
         check_finite_weights: bool = True,
     ) -> None:
-        if tensor_transport not in ("auto", "safetensors", "cuda_ipc"):
-            raise ValueError(f"tensor_transport must be auto|safetensors|cuda_ipc, not {tensor_transport!r}")
         super().__init__(url, timeout=timeout, session=session, retries=retries, backoff=backoff,
                          max_connections=max_connections, keepalive_timeout=keepalive_timeout)
         self.generate_timeout = generate_timeout
@@ -88,18 +86,18 @@ class SGLangClient(HttpTransport, ServedModelChecks):
         #: at the send, after any lookup the call awaited, not where the gate was passed.
         self.gate_open: Callable[[], bool] | None = None
         self.sent_outside_awake = 0
-        self.tensor_transport: TensorTransport = tensor_transport
-        self._tp_size: int | None = None
-        #: "auto" until looked up; then the size, or None when it cannot be known (ids go unchecked)
-        self.vocab_size: int | None | Literal["auto"] = vocab_size
-        self._lookup_lock: anyio.Lock | None = None
-        self.weight_check = weight_check
+        #: What this client knows of the served model (vocabulary, parameter shapes, transport, TP size).
+        self.served = ServedModel(self.url, self.server_info, self.model_info, tensor_transport=tensor_transport,
+                                  vocab_size=vocab_size, weight_check=weight_check)
         #: Refuse NaN/Inf tensor updates before sending (`weight_payloads.check_finite`; cost in its docstring).
         self.check_finite_weights = check_finite_weights
-        self._param_shapes: dict[str, tuple[int, ...]] | None | Literal["auto"] = "auto"
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
+
+    async def prepare(self) -> None:
+        """Look up the served model's facts now (see `ServedModel.prepare`), e.g. while starting up."""
+        await self.served.prepare()
 
     def _sending_generation(self, endpoint: str) -> None:
         if self.gate_open is not None and not self.gate_open():
@@ -134,7 +132,7 @@ class SGLangClient(HttpTransport, ServedModelChecks):
             sampling_params = SamplingParams.from_mapping(sampling_params)
         # A rid is always sent so every request can be aborted by id.
         rid = rid or uuid.uuid4().hex
-        vocab = await self.resolve_vocab_size()
+        vocab = await self.served.resolve_vocab_size()
         # The ids are the whole context, on every turn: encoded, converted and checked in C. No await
         # from here to the send, so what is checked is what is sent.
         ids_json = wire_json.int_list(input_ids)
@@ -215,17 +213,15 @@ class SGLangClient(HttpTransport, ServedModelChecks):
                 await anyio.to_thread.run_sync(check_finite, named)
             except NonFiniteWeightsError as e:
                 raise EngineError("/update_weights_from_tensor", None, f"refused before sending: {e}", url=self.url) from None
-        transport = await self.resolve_tensor_transport()
+        transport = await self.served.resolve_tensor_transport()
         if transport == "safetensors":
             # Serializing a model's worth of tensors is CPU work: keep the event loop free.
             payloads = [await anyio.to_thread.run_sync(safetensors_payload, named)]
         else:
             # HF names are what sglang's load_weights maps (load_format None); other formats carry their own.
-            if self.weight_check and load_format is None:
-                await self.check_named_tensors(named)
-            if self._tp_size is None:
-                self._tp_size = int((await self.launch_info()).get("tp_size") or 1)
-            payloads = cuda_ipc_payloads(named, self._tp_size)
+            if self.served.weight_check and load_format is None:
+                await self.served.check_named_tensors(named)
+            payloads = cuda_ipc_payloads(named, await self.served.resolved_tp_size())
         body: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": load_format,
                                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:

@@ -5,7 +5,7 @@ the kernel sandbox) and runs before any model code. In order, it:
 1. reads the model's code from stdin (then stdin is /dev/null),
 2. sets resource limits with hard == soft (CPU seconds, address space, processes, file size, open
    files, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code raise a hard limit,
-3. loads the seccomp filter the parent sent (`agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
+3. loads the seccomp filter the parent sent (`src/agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
    namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...) — irreversible, and
    inherited by every thread,
 4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
@@ -31,7 +31,7 @@ the kernel sandbox) and runs before any model code. In order, it:
 
 The audit hook is defence in depth only: code in the same interpreter can switch it off (e.g. with
 hand-made code objects that write the interpreter's memory). The guarantees come from the kernel:
-namespaces and the minimal root (set up by the parent, see `agentloop/tools/sandbox/namespaces.py`),
+namespaces and the minimal root (set up by the parent, see `src/agentloop/tools/sandbox/namespaces.py`),
 rlimits and seccomp (set here, before the code exists as code).
 """
 
@@ -265,7 +265,7 @@ def _refuse(what):
 
 
 def _load_seccomp(program):
-    """Load the parent's compiled filter (seccompy built it from agentloop/tools/sandbox/policy.py) with the
+    """Load the parent's compiled filter (seccompy built it from src/agentloop/tools/sandbox/policy.py) with the
     two calls seccomp(2) documents: no_new_privs, then prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER). Loading
     seccompy itself here would cost more than the rest of the start-up; ctypes is forgotten afterwards."""
     before = set(sys.modules)

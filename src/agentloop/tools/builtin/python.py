@@ -8,7 +8,7 @@ Model-written code is hostile. Where it runs is chosen with `sandbox` (the tools
   namespaces, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...); rlimits on CPU time, address
   space, processes/threads, file size and open files; an empty environment (HOME/TMPDIR only). The
   whole process tree dies when the call ends, times out or is cancelled. See
-  `agentloop/tools/sandbox/namespaces.py` for the chain and docs/sandbox.md for the threat model.
+  `src/agentloop/tools/sandbox/namespaces.py` for the chain and docs/sandbox.md for the threat model.
   If the host cannot provide this, every call is refused with `SandboxUnavailable` saying what is missing
   and how to enable it — never a silent fallback.
 - `sandbox_fusion`: POST the code to a SandboxFusion-compatible service (`sandbox_fusion_url`, the
