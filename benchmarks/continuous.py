@@ -340,15 +340,18 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                            for i, t in enumerate(make_workload(warm_up_spec()))], weights(), n=1)
             for lat, mode, active in _points(args):
                 left = args.deadline - (time.monotonic() - t_start)
-                if left < args.run_limit * 0.5:
+                limit = args.per_step_limit if mode == "per_step" and args.per_step_limit else args.run_limit
+                if left < min(limit, 30.0):
                     out["skipped"].append({"tool_latency_mean_s": lat, "mode": mode, "active": active,
                                            "why": f"deadline: {left:.0f}s left"})
                     continue
+                run_args = argparse.Namespace(**{**vars(args), "run_limit": min(limit, left)})
                 src = GroupSource(WorkloadSpec(**{**spec.as_dict(), "tool_latency_mean": lat}), args.tool_latency_cap,
                                   tag=f"{mode}-{active}-{lat:g}")
                 print(f"{mode:15s} tools {lat:g}s, {active} in flight ...", flush=True)
-                run = await RUNNERS[mode](rt, engine, args, src, weights, active)
-                run.update(mode=mode, tool_latency_mean_s=lat, active=active, complete_steps=run["steps"] >= args.steps)
+                run = await RUNNERS[mode](rt, engine, run_args, src, weights, active)
+                run.update(mode=mode, tool_latency_mean_s=lat, active=active, run_limit_s=r4(run_args.run_limit),
+                           complete_steps=run["steps"] >= args.steps)
                 out["runs"].append(run)
                 print(f"{mode:15s} tools {lat:g}s, {run['in_flight']} in flight: {run['trained_tokens_per_s']:9.1f} trained tok/s "
                       f"over {run['steps']} steps, engine has work {run['engine_has_work_fraction']:.2f}", flush=True)
@@ -413,6 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--max-queued-batches", type=int, default=2, help="streaming: the queue bound, in batches")
     w.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     w.add_argument("--run-limit", type=float, default=120.0, help="seconds one run may take (it stops after its step)")
+    w.add_argument("--per-step-limit", type=float, default=None, help="per_step's own --run-limit (its steps wait "
+                   "for their slowest trajectory: at 2 s tools they are the longest)")
     w.add_argument("--deadline", type=float, default=1e9, help="seconds for the whole benchmark; runs that would "
                    "start later are skipped and listed")
     w.add_argument("--gpu-scale", action="store_true", help="the issue's H200 workload: 4 turns, 256-token prompts, "
