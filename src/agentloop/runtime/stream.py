@@ -55,9 +55,8 @@ import anyio.abc
 
 from ..batch import collate
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
-from ..scheduler.core import with_overrides
+from ..scheduler import expand_samples, with_overrides
 from ..scheduler.filters import get_group_filter
-from ..scheduler.groups import expand_samples
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
 from .stream_types import StreamBatch, StreamConfig, VersionBook, staleness_histogram
