@@ -118,6 +118,28 @@ async def test_staleness_bound_holds_for_every_trained_token(eta: int, policy: s
         assert m["groups_restarted_stale" if policy == "restart" else "groups_dropped_stale"] == stale
 
 
+async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    async with rt:
+        consumed: list[str] = []
+        async with rollout_stream(rt, feed(50), StreamConfig(batch_groups=2, active=8)) as s:
+            async for batch in s:
+                consumed += [t.uid for t in batch.trajectories]
+                await s.update_weights({"w": batch.index})
+                if batch.index == 3:
+                    break  # the trainer stops with trajectories in flight and groups queued
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        unconsumed = [t.uid for g in s.unconsumed for t in g]
+        leftover = [x.uid for x in s.leftover]
+        admitted = s.counts["groups_admitted"]
+        every = consumed + unconsumed + leftover
+        assert sorted(every) == sorted(f"p{i}_{k}" for i in range(admitted) for k in range(2))  # each exactly once
+        assert leftover and any(x.resume_from is not None and x.resume_from.status == "aborted" for x in s.leftover)
+        res = await rt.step(s.leftover)  # the partials go on in a later step, which completes their groups
+        assert all(t.status == "completed" for t in res.trajectories)
+
+
 def test_sync_stream_and_errors() -> None:
     eng = FakeEngine("http://a")
     rt = runtime(eng)

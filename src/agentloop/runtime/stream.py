@@ -152,6 +152,8 @@ class RolloutStream:
         #: Samples of trajectories still unfinished when the stream closed (partials on `resume_from`):
         #: pass them to a later `step` or stream to continue them.
         self.leftover: list[Sample] = []
+        #: Complete, accepted groups the trainer had not taken when the stream closed (nothing is lost).
+        self.unconsumed: list[list[Trajectory]] = []
         self.counts: dict[str, int] = dict.fromkeys((
             "groups_admitted", "groups_accepted", "groups_rejected", "groups_failed", "groups_dropped_stale",
             "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
@@ -184,6 +186,22 @@ class RolloutStream:
                 await self._wait_change()
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
+
+    def _collect_unconsumed(self) -> None:
+        """After the tasks ended: the groups still queued or waiting to be batched go to `unconsumed`."""
+        while True:
+            try:
+                self.unconsumed.extend(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self.unconsumed.extend(self._ready)
+        self._ready = []
+        # Finished members of groups still incomplete go with their unfinished mates, as a step's carry-over
+        # does: a later step runs only the unfinished ones and completes the group.
+        for group in self._groups.values():
+            for i, traj in sorted(group.results.items()):
+                self.leftover.append(dataclasses.replace(group.members[i], resume_from=traj))
+        self._groups = {}
 
     # ------------------------------------------------------------------ the trainer's side
     def __aiter__(self) -> "RolloutStream":
@@ -435,6 +453,7 @@ async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any
                 finally:
                     with anyio.CancelScope(shield=True):
                         await stream._close()
+            stream._collect_unconsumed()
         finally:
             with anyio.CancelScope(shield=True):
                 await runtime.lifecycle.sleep()
