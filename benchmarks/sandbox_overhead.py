@@ -8,6 +8,8 @@ median / p10 / p90 wall time per call:
 - **unsafe_subprocess**: the explicit unsafe opt-in (boot script, rlimits, audit hook; no kernel isolation);
 - **kernel**: the default — bubblewrap namespaces + minimal root (+ setpriv/unshare when the worker is root),
   seccomp, rlimits, the isolation self-check, then the audit hook; a fresh sandbox started per call;
+- **kernel_no_cgroup**: `kernel` with `memory_cgroup: off` (no per-call cgroup; seccomp refuses the memory
+  rlimits do not count) — present where the tool has that setting, to show what the cgroup costs;
 - **kernel_warm**: the same with `warm_sandboxes=1`: each call takes a sandbox started ahead (used once,
   never reused) and starts the next; calls are `--gap` seconds apart, as tool calls of a trajectory are
   separated by model turns.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import inspect
 import json
 import os
 import shlex
@@ -80,12 +83,18 @@ async def measure(n: int, gap: float) -> dict[str, Any]:
         return call
 
     unsafe, kernel, warm = PythonTool(sandbox="unsafe_subprocess"), PythonTool(), PythonTool(warm_sandboxes=1)
-    for tool in (unsafe, kernel, warm):  # first calls probe the interpreter and the host: not per-call cost
-        await tool.run_code("pass")
+    # an older checkout (a "before" run) has no memory_cgroup setting: that mode is then left out
+    no_cgroup = PythonTool(memory_cgroup="off") if "memory_cgroup" in inspect.signature(PythonTool).parameters else None
+    for tool in (unsafe, kernel, warm, no_cgroup):  # first calls probe the interpreter and the host: not per-call cost
+        if tool is not None:
+            await tool.run_code("pass")
+    modes["_memory_enforcement"] = getattr(kernel, "memory_enforcement", None) or "rlimits only (before issue #29)"
     try:
         modes["bare_interpreter"] = stats(await timed(bare, n, 0))
         modes["unsafe_subprocess"] = stats(await timed(tool_call(unsafe), n, 0))
         modes["kernel"] = stats(await timed(tool_call(kernel), n, 0))
+        if no_cgroup is not None:
+            modes["kernel_no_cgroup"] = stats(await timed(tool_call(no_cgroup), n, 0))
         modes["kernel_warm"] = stats(await timed(tool_call(warm), n, gap))
     finally:
         await warm.aclose()
@@ -116,7 +125,9 @@ def main() -> None:
         "git_commit": git_commit(),
         "versions": versions(),
         "hardware": hardware(),
-        "settings": {"calls_per_mode": n, "gap_s": args.gap, "program": "pass", "worker_uid": os.geteuid()},
+        "settings": {"calls_per_mode": n, "gap_s": args.gap, "program": "pass", "worker_uid": os.geteuid(),
+                     "memory_enforcement": modes.pop("_memory_enforcement"),
+                     "agentloop_source": str(Path(inspect.getfile(PythonTool)).resolve().parents[2])},
         "modes": modes,
         "kernel_overhead_ms": round(modes["kernel"]["median_ms"] - modes["bare_interpreter"]["median_ms"], 1),
         "kernel_warm_overhead_ms": round(modes["kernel_warm"]["median_ms"] - modes["bare_interpreter"]["median_ms"], 1),

@@ -28,7 +28,7 @@ import pytest
 
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.lifecycle import EngineState, Lifecycle, LifecycleError
-from agentloop.engine.lifecycle_types import MemoryMark
+from agentloop.engine.lifecycle import MemoryMark
 from agentloop.engine.local.process import LocalEngineProcess
 from agentloop.engine.sglang import SGLangClient
 from agentloop.models.random_model import make_random_model

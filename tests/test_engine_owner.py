@@ -30,7 +30,7 @@ import pytest
 from agentloop.engine.base import SamplingParams
 from agentloop.engine.lease import Lease
 from agentloop.engine.lifecycle import Lifecycle, LifecycleError
-from agentloop.engine.lifecycle_types import MARK_SEPARATOR, MemoryMark
+from agentloop.engine.lifecycle import MARK_SEPARATOR, MemoryMark
 from agentloop.engine.sglang import SGLangClient
 from agentloop.runtime import Runtime
 from agentloop.types import Sample

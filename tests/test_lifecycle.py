@@ -15,7 +15,7 @@ import pytest
 
 from agentloop.engine.base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
 from agentloop.engine.lifecycle import EngineState, Lifecycle, LifecycleError, Weights
-from agentloop.engine.lifecycle_types import MemoryMark, served_version
+from agentloop.engine.lifecycle import MemoryMark, served_version
 
 pytestmark = pytest.mark.anyio
 

@@ -21,7 +21,8 @@ def test_sandbox_overhead_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "sandbox_overhead_smoke.json").read_text())
     for key in ("benchmark", "command", "date", "git_commit", "versions", "hardware", "settings", "modes"):
         assert key in report
-    assert set(report["modes"]) == {"bare_interpreter", "unsafe_subprocess", "kernel", "kernel_warm"}
+    assert set(report["modes"]) == {"bare_interpreter", "unsafe_subprocess", "kernel", "kernel_no_cgroup", "kernel_warm"}
+    assert report["settings"]["memory_enforcement"]  # which layer bounded memory in the run
     for mode in report["modes"].values():
         assert mode["n"] == 3 and 0 < mode["p10_ms"] <= mode["median_ms"] <= mode["p90_ms"]
     assert report["kernel_overhead_ms"] == round(report["modes"]["kernel"]["median_ms"]

@@ -31,7 +31,7 @@ from agentloop.tools import ToolContext, ToolRegistry
 from agentloop.tools.builtin.python import PythonTool, _kernel_command
 from agentloop.tools.parsers import ToolCall
 from agentloop.tools.sandbox import SandboxUnavailable
-from agentloop.tools.sandbox.namespaces import DATA_DIRS, find_host_tools
+from agentloop.tools.sandbox.namespaces import BIN_DIR, DATA_DIRS, LIB_DIR, find_host_tools, inside_paths
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,13 +78,17 @@ print(json.dumps(results))
 
 async def test_host_files_and_project_files_cannot_be_read():
     paths = ["/etc/passwd", "/etc/shadow", "/etc/hostname", "/root/.bash_history", os.path.expanduser("~/.ssh/id_rsa"),
-             PROJECT_FILE, REPO_FILE, "/proc/1/environ", "/proc/1/root/etc/passwd", f"/proc/{os.getpid()}/environ",
+             PROJECT_FILE, REPO_FILE, "/proc/1/root/etc/passwd", f"/proc/{os.getpid()}/environ",
              "/sys/kernel/notes", "/dev/sda", "/proc/kcore"]
     r = await attack(TRY + f"""
 for p in {paths!r}:
     attempt(p, lambda p=p: open(p, "rb").read(64))
+results["pid1_environ"] = sorted(v.split("=")[0] for v in open("/proc/1/environ").read().split("\\0") if v)
+results["pid"] = os.getpid()
 print(json.dumps(results))
 """)
+    # PID 1 is the sandboxed interpreter itself (--as-pid-1): its environment is the sandbox's own
+    assert r.pop("pid") == 1 and r.pop("pid1_environ") == ["HOME", "LD_LIBRARY_PATH", "PWD", "TMPDIR"]
     refused(r)
 
 
@@ -102,9 +106,13 @@ async def test_the_root_holds_only_what_the_interpreter_needs():
     """))
     interp = interpreter_files(sys.executable)
     helpers = find_host_tools(os.geteuid() == 0)
-    allowed_dirs = tuple(d + "/" for d in [*interp.stdlib, *DATA_DIRS])
-    allowed = {interp.executable, *interp.libraries, "/opt/agentloop/_sandbox_boot.py", "/dev/null", "/dev/zero",
-               "/dev/full", "/dev/random", "/dev/urandom", helpers.setpriv, helpers.unshare, *helpers.libraries}
+    inside = inside_paths(interp)  # the interpreter and its stdlib at neutral paths, libraries in one dir
+    allowed_dirs = tuple(inside[d] + "/" for d in interp.stdlib) + tuple(d + "/" for d in DATA_DIRS)
+    libs = [*interp.libraries, *helpers.libraries]
+    allowed = {inside[interp.executable], *(l if l.startswith("/lib64/") else LIB_DIR + "/" + os.path.basename(l) for l in libs),
+               "/opt/agentloop/_sandbox_boot.py", "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"}
+    if helpers.setpriv:
+        allowed |= {BIN_DIR + "/setpriv", BIN_DIR + "/unshare"}
     files = json.loads(out.stdout)
     extra = [f for f in files if f not in allowed and not f.startswith(allowed_dirs)
 ]
@@ -228,9 +236,12 @@ os.kill(-1, signal.SIGKILL)  # every process this one may signal, but itself and
     r = report["results"]
     assert r.pop("ptrace_attach_init") == "OK -1" and r.pop("ptrace_traceme") == "OK -1"
     assert r.pop("process_vm_readv") == "OK -1"
+    # PID 1 is the interpreter itself (--as-pid-1): the kernel ignores a namespace's own SIGKILL to its
+    # init, and /proc/1/mem is this process's own memory (address 0: unmapped)
+    assert r.pop("kill_init") == "OK None" and r.pop("mem_of_init").startswith("OSError")
     refused(r)
-    assert report["pids"] == [1, 2]  # bubblewrap's init and the interpreter: no host process is visible
-    assert set(report["env"]) <= {"HOME", "TMPDIR", "PWD", "LC_CTYPE"}, report["env"]
+    assert report["pids"] == [1]  # only the interpreter: no host process, no unfiltered init
+    assert set(report["env"]) <= {"HOME", "TMPDIR", "PWD", "LC_CTYPE", "LD_LIBRARY_PATH"}, report["env"]
     assert out.returncode == 1 and out.stderr.strip().endswith("ProcessLookupError: [Errno 3] No such process")
 
 
@@ -476,7 +487,7 @@ def test_non_root_worker_chain():
 
     py = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
     repo = Path(__file__).resolve().parents[1]
-    paths = [str(repo), *site.getsitepackages()]
+    paths = [str(repo / "src"), *site.getsitepackages()]
     if os.geteuid() != 0 or not os.path.exists(py):
         pytest.skip(f"needs root (to start a worker as uid 65534) and {py} (an interpreter that uid can run)")
     probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, "-c",
@@ -501,7 +512,7 @@ def _without(argv: list[str], dropped: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("dropped, reported", [(["--unshare-net"], "no network namespace of its own"),
-                                               (["--unshare-pid"], "no PID namespace of its own"),
+                                               (["--unshare-pid", "--as-pid-1"], "no PID namespace of its own"),
                                                (["--remount-ro", "/"], "/ is mounted read-write")])
 async def test_a_missing_layer_is_refused_not_run(monkeypatch, dropped, reported):
     """If the command line ever lost a layer, the boot's self-check refuses to run the code."""

@@ -175,7 +175,7 @@ async def test_stop_releases_a_request_waiting_for_a_server_slot() -> None:
             assert a.generates and all(rid.startswith("busy-") for rid, _ in a.generates)
     out = box["out"]
     assert out.aborted and out.output_ids == [] and "not dispatched" in out.finish_reason["message"]
-    assert router._slot("http://a").free == 1  # the cancelled wait took no slot
+    assert router.slots("http://a").free == 1  # the cancelled wait took no slot
     out = await router.session("next")([3], P)  # and the slot still serves
     assert not out.aborted and out.output_ids
 
@@ -241,7 +241,7 @@ async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str
     deep, fresh, busy = router.session("deep"), router.session("fresh"), router.session("busy")
     await deep([1], P)
     await deep([1, 2, 3], P)  # two model turns behind it
-    slot = router._slot("http://a")
+    slot = router.slots("http://a")
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(busy, [1], SamplingParams(max_new_tokens=10))

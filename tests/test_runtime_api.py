@@ -49,7 +49,7 @@ def test_pad_to_fixes_the_batch_shapes_and_a_too_short_pad_keeps_the_results() -
 def _spy_agents(rt: Runtime) -> dict[str, str]:
     """uid → name of the agent loop the scheduler ran it with."""
     ran: dict[str, str] = {}
-    orig = rt.scheduler._agent
+    orig = rt.scheduler.agent
 
     def spy(name: str):
         loop = orig(name)
@@ -61,7 +61,7 @@ def _spy_agents(rt: Runtime) -> dict[str, str]:
 
         return Recording()
 
-    rt.scheduler._agent = spy  # type: ignore[method-assign]
+    rt.scheduler.agent = spy  # type: ignore[method-assign]
     return ran
 
 

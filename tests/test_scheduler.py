@@ -53,7 +53,7 @@ async def test_groups_order_rewards_and_concurrency_limit() -> None:
     async def on_traj(t) -> None:
         seen.append(t.uid)
 
-    orig = sched._agent("scripted").run
+    orig = sched.agent("scripted").run
 
     async def counting_run(sample, ctx):
         nonlocal running, peak
@@ -64,7 +64,7 @@ async def test_groups_order_rewards_and_concurrency_limit() -> None:
         finally:
             running -= 1
 
-    sched._agents["scripted"].run = counting_run  # type: ignore[method-assign]
+    sched.agent("scripted").run = counting_run  # type: ignore[method-assign]
     ss = samples(5, turns=2, tokens=3, tool_delay=0.01)
     ss[1].extra["turns"] = 4  # finishes late: results must still come back in input order
     res = await sched.run(ss, on_trajectory=on_traj)

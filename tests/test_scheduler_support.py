@@ -32,6 +32,8 @@ class FakeEngine:
         self.dead = False
         self.paused_abort = False
         self.aborted: set[str] = set()
+        self.running: set[str] = set()  # rids of the generates in progress (what abort_all aborts)
+        self.abort_calls: list[str | None] = []  # each /abort_request: its rid, None for abort_all
         self.in_flight = 0
         self.max_in_flight = 0
         self.generates: list[tuple[str, int]] = []  # (rid, len(input_ids))
@@ -57,6 +59,7 @@ class FakeEngine:
             raise EngineError("/generate", 400, f"memory released: {sorted(self.released)}", url=self.url)
         rid = rid or "anon"
         self.generates.append((rid, len(input_ids)))
+        self.running.add(rid)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -71,6 +74,7 @@ class FakeEngine:
             return self._out(out, {"type": "length", "length": len(out)}, rid)
         finally:
             self.in_flight -= 1
+            self.running.discard(rid)
 
     def _out(self, ids: list[int], finish: dict[str, Any], rid: str) -> GenerateOutput:
         return GenerateOutput(ids, [-0.25] * len(ids), finish, self.weight_version, rid, server_url=self.url)
@@ -113,7 +117,10 @@ class FakeEngine:
 
     async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         self._check("/abort_request")
-        if rid:
+        self.abort_calls.append(None if abort_all else rid)
+        if abort_all:  # as SGLang: every request the server has now
+            self.aborted.update(self.running)
+        elif rid:
             self.aborted.add(rid)
 
     async def health(self) -> bool:

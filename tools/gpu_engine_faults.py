@@ -188,7 +188,7 @@ async def consecutive_runs(res: Results, url: str, work: Path, runs: int) -> Non
 
 
 async def sigkill_mid_step(res: Results, url: str, work: Path) -> None:
-    from agentloop.engine.lifecycle_types import MemoryMark
+    from agentloop.engine.lifecycle import MemoryMark
     from agentloop.engine.sglang import SGLangClient
 
     out = work / "killed"

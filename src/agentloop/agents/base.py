@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, ContextManager, Literal, Mapping, Protocol
+
+import anyio
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,6 +26,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class GenerateFn(Protocol):
     async def __call__(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput: ...
+
+
+class StopSignal(Protocol):
+    """How a trajectory learns that the scheduler stopped it (the scheduler's route session is one)."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def interruptible(self) -> ContextManager[anyio.CancelScope]: ...
 
 
 #: `SamplingParams` fields with a setting of their own in `AgentConfig` (flat, as the YAML spells them).
@@ -160,6 +171,15 @@ class AgentContext:
     interaction: Callable[[list[dict[str, Any]], Sample], Awaitable[str | None] | str | None] | None = None
     #: Wall clock for timeline events (the scheduler passes a shared monotonic clock).
     clock: Callable[[], float] | None = None
+    #: The scheduler's stop of this trajectory (an early stop, a sleep, a timeout); None: never stopped.
+    stop: StopSignal | None = None
+
+    def interruptible(self) -> ContextManager[anyio.CancelScope]:
+        """A cancel scope that a stop of this trajectory cancels (at once if it is stopped already):
+        wrap waits between model turns (tool calls, a simulated user) in it, so that a stopped
+        trajectory ends now, with its tokens, instead of after the wait. `scope.cancel_called`
+        afterwards says the wait was cut (the loop then ends its trajectory as aborted)."""
+        return self.stop.interruptible() if self.stop is not None else anyio.CancelScope()
 
 
 class AgentLoop(ABC):

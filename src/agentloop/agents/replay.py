@@ -5,7 +5,8 @@ come from a spec, not from what the model writes.
 "tool_result_tokens": int}` (or `{"prompt_tokens": int, "turns": [...]}`). Each turn generates
 exactly `gen_tokens` with `ignore_eos=True` (clamped by the token budget), then — unless it is the
 last turn — sleeps `tool_latency_s` (a simulated tool) and appends `tool_result_tokens` fixed ids
-with mask 0. No chat template is needed: the prompt is `sample.extra["prompt_ids"]`, else the
+with mask 0. A stop of the trajectory (early stop, sleep) ends the simulated tool at once: the
+trajectory is aborted after its last model turn and, resumed, runs that tool call again. No chat template is needed: the prompt is `sample.extra["prompt_ids"]`, else the
 sample's messages rendered by the tokenizer if there is one, else `prompt_tokens` fixed ids.
 Token ids are drawn deterministically from the uid in `[replay_low_id, replay_high_id)` of
 `config.extra` (defaults 3 and 200, valid in every test vocabulary), so different samples do not
@@ -24,6 +25,10 @@ import numpy as np
 from ..types import Sample, Trajectory
 from .base import AgentContext, AgentLoop, register_agent
 from .episode import BudgetSpent, Episode
+
+
+#: `Trajectory.extra` key: the turn whose simulated tool call a stop cut (a resume runs it again).
+INTERRUPTED_TOOL = "replay_interrupted_tool_turn"
 
 
 @dataclass(frozen=True)
@@ -91,24 +96,31 @@ class ReplayAgent(AgentLoop):
             return Episode.failed_before_start(sample, ctx, e)
         assert ep.buffer is not None
         try:
-            # A resumed replay goes on from the turn the abort cut (its open tokens count) or
-            # from the first turn not yet begun.
+            # A resumed replay goes on from the tool call a stop cut (run again), else from the turn
+            # the abort cut (its open tokens count) or from the first turn not yet begun.
+            interrupted = ep.extra.pop(INTERRUPTED_TOOL, None)
             open_len = len(ep.buffer.open_turn_ids)
-            first = ep.assistant_turns - (1 if open_len else 0)
+            first = int(interrupted) if interrupted is not None else ep.assistant_turns - (1 if open_len else 0)
             for i in range(first, len(turns)):
                 turn = turns[i]
-                want = turn.gen_tokens - (open_len if i == first else 0)
-                out = await ep.generate(max_new_tokens=max(1, want), ignore_eos=True)
-                if out.aborted:
+                if interrupted is None or i != first:
+                    want = turn.gen_tokens - (open_len if i == first else 0)
+                    out = await ep.generate(max_new_tokens=max(1, want), ignore_eos=True)
+                    if out.aborted:
+                        ep.finish("aborted", "abort")
+                        return ep.trajectory()
+                    if len(out.output_ids) < max(1, want):
+                        ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
+                        return ep.trajectory()
+                    if i == len(turns) - 1:
+                        break
+                t0 = ep.clock()
+                with ep.ctx.interruptible() as wait:  # a stop ends the simulated tool at once
+                    await anyio.sleep(turn.tool_latency_s)
+                if wait.cancelled_caught:
+                    ep.extra[INTERRUPTED_TOOL] = i
                     ep.finish("aborted", "abort")
                     return ep.trajectory()
-                if len(out.output_ids) < max(1, want):
-                    ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
-                    return ep.trajectory()
-                if i == len(turns) - 1:
-                    break
-                t0 = ep.clock()
-                await anyio.sleep(turn.tool_latency_s)
                 ids = _fixed_ids(f"{sample.uid}/tool{i}", turn.tool_result_tokens, low, high)
                 ep.check_fits(len(ids) + 1)
                 ep.buffer.append_tokens(ids)

@@ -4,7 +4,8 @@ Ends when a turn has no tool call (then the optional simulated user may add a us
 goes on: the sample's `extra["interaction"]`, a registered name or `module:function` path, else
 `ctx.interaction`; the `interaction` loop, a subclass, requires one), when `max_assistant_turns` /
 `max_user_turns` is reached, or when the token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
-it), aborted (the engine aborted a turn — partial rollout resumes it from `sample.resume_from`),
+it), aborted (the engine aborted a turn, or a stop of the trajectory cut its tool calls, which end at
+once — partial rollout resumes it from `sample.resume_from`, running the cut calls again),
 failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
 and exceptions inside tools reach the model as tool results (the registry makes them), counted in
 `metrics["tool_errors"]`.
@@ -29,6 +30,9 @@ from ..types import Sample, Trajectory
 from .base import AgentContext, AgentLoop, register_agent
 from .episode import BudgetSpent, Episode
 from .interaction import Interaction, ask_user, get_interaction
+
+#: `Trajectory.extra` key: a stop cut this trajectory's tool calls (its resume runs them again).
+INTERRUPTED_TOOLS = "tool_calls_interrupted"
 
 
 @register_agent
@@ -73,28 +77,42 @@ class ToolAgent(AgentLoop):
         cfg = ep.config
         parser = get_parser(cfg.tool_parser)
         assert ep.buffer is not None
+        # A trajectory whose tool calls a stop cut resumes by running them again (its assistant
+        # message is already shown; the calls are parsed again from the same tokens, with the same ids).
+        interrupted = bool(ep.extra.pop(INTERRUPTED_TOOLS, False))
         while True:
-            out = await ep.generate()
-            if out.aborted:  # keep the partial text readable; a resume continues (and replaces) it
-                ep.show_assistant({"role": "assistant", "content": ep.turn_text()})
-                ep.finish("aborted", "abort")
-                return
-            content, calls = parser.parse(ep.turn_text())
+            if interrupted:
+                interrupted = False
+                out = None
+                content, calls = parser.parse(ep.turn_text())
+            else:
+                out = await ep.generate()
+                if out.aborted:  # keep the partial text readable; a resume continues (and replaces) it
+                    ep.show_assistant({"role": "assistant", "content": ep.turn_text()})
+                    ep.finish("aborted", "abort")
+                    return
+                content, calls = parser.parse(ep.turn_text())
             for i, c in enumerate(calls):  # stable per trajectory, turn and position (a resumed turn keeps its number)
                 c.id = c.id or f"call_{ep.sample.uid}_{ep.assistant_turns}_{i}"
-            ep.show_assistant(assistant_message(content, calls))
+            if out is not None:
+                ep.show_assistant(assistant_message(content, calls))
             if calls:
                 if ep.assistant_turns >= cfg.max_assistant_turns:
                     ep.finish("truncated", "max_assistant_turns")
                     return
-                results = await self._run_tools(ep, calls, tool_ctx)
+                with ep.ctx.interruptible() as wait:  # a stop (early stop, sleep) ends the calls at once
+                    results = await self._run_tools(ep, calls, tool_ctx)
+                if wait.cancelled_caught:
+                    ep.extra[INTERRUPTED_TOOLS] = True
+                    ep.finish("aborted", "abort")
+                    return
                 shown = [_tool_message(r) for r in results]
                 # Rendered without tool_call_id: the tokens stay what they were before calls had ids
                 # (some templates, e.g. Mistral's, would print it; the model never sampled these ids).
                 rendered = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in shown]
                 ep.append_messages(rendered, shown=shown)
                 continue
-            if out.finish_type == "length":
+            if out is not None and out.finish_type == "length":
                 ep.finish("truncated", ep.extra.get("turn_cut_by", "length"))
                 return
             if user is None:

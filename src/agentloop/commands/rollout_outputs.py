@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..engine.lifecycle_types import StageRecord
+from ..engine.lifecycle import StageRecord
 from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
 from .rollout_prompts import prompt_statuses
 from .rollout_state import CommandRun, StepRecord

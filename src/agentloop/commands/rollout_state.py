@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dataset import Dataset
-from ..engine.lifecycle_types import StageRecord
+from ..engine.lifecycle import StageRecord
 from ..output.writer import TrajectoryStream
 from ..output.progress import RolloutProgress
 from ..config.rollout import RolloutConfig

@@ -204,6 +204,25 @@ class SchedulerConfig(_Strict):
         description="Carry aborted trajectories over and continue them next step (True), or restart their prompts "
         "from scratch (False).",
     )
+    active: int | None = Field(
+        None,
+        ge=1,
+        description="Over-admission: keep this many trajectories in flight, drawing fresh prompts from the step's "
+        "feeder (`more_samples`, an iterator or async iterator) as soon as one finishes, until target_groups groups "
+        "are accepted (the rest are stopped and carried over) or the feeder runs out. None: run the given samples "
+        "(drawing only while a group filter keeps the step short of target_groups).",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Staleness bound of carried trajectories: one whose first token was sampled more than this many "
+        "weight versions before the step's is not resumed but handled by stale_policy. None: no bound.",
+    )
+    stale_policy: Literal["restart", "drop"] = Field(
+        "restart",
+        description="A carried trajectory past max_staleness: restart = run its sample again from the prompt this "
+        "step (its tokens are discarded); drop = its whole group leaves the step (ScheduleResult.dropped).",
+    )
     max_turn_retries: int = Field(
         3, ge=0, description="How often one model turn is retried on another server when its server fails."
     )

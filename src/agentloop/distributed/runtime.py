@@ -90,7 +90,7 @@ class RayScheduler(Scheduler):
         self.worker_config: dict[str, Any] = {}
         self.call_timeout: float | None = None
 
-    def _agent(self, name: str) -> AgentLoop:
+    def agent(self, name: str) -> AgentLoop:
         return RemoteAgent(self, name)
 
     async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,

@@ -53,13 +53,11 @@ class PinnedRouter(Router):
     def pin(self, key: str, url: str) -> None:
         self._pins[key] = url
 
-    def session(self, key: str) -> RouteSession:
-        s = super().session(key)
+    def session(self, key: str, **kwargs: Any) -> RouteSession:
+        s = super().session(key, **kwargs)
         url = self._pins.pop(key, None)
         if url is not None and url in self.urls:
-            s.url = url  # the driver's balancer bound the trajectory here; RouteSession keeps it sticky
-            self._bind(url)
-            s.servers.append(url)
+            s.bind_to(url)  # the driver's balancer bound the trajectory here; RouteSession keeps it sticky
         self.sessions[key] = s
         if key in self._stops:  # the stop arrived before the trajectory started
             s.stop(self._stops.pop(key))
@@ -76,12 +74,7 @@ class PinnedRouter(Router):
         if s is None:
             self._stops[key] = reason
             return
-        s.stop(reason)
-        # A request dispatched just before the stop may not be registered on its server yet: repeat the
-        # abort until the session has nothing in flight (as the scheduler does for its own stops).
-        while s.in_flight_rid is not None:
-            await self.abort([s.in_flight_rid])
-            await anyio.sleep(0.2)
+        await self.stop_sessions([s], reason)
 
 
 class RolloutWorker:
@@ -163,7 +156,9 @@ class RolloutWorker:
         over-sampling, so the worker runs exactly this member and always hands back its trajectory
         (partial if it was stopped) for the driver's scheduler to classify.
         """
-        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "group_filter": None, "partial_rollout": True, "n": 1})
+        # Groups, over-admission and the staleness bound are the driver's (it saw every version in order).
+        scfg = SchedulerConfig.model_validate({**cfg, "target_groups": None, "group_filter": None, "partial_rollout": True,
+                                               "n": 1, "active": None, "max_staleness": None})
         self.router.pin(job.uid, url)
         try:
             res = await self.scheduler.run([job], config=scfg)

@@ -27,7 +27,8 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 import anyio
 
 from .base import EngineClient, EngineError, EngineUnavailable, GenerateOutput, SamplingParams
-from .lifecycle_types import EngineState, served_version
+from .memory_mark import served_version
+from .state import EngineState
 
 __all__ = ["Gate", "GateControl"]
 

@@ -3,7 +3,7 @@
 Two runtimes driving one server break each other: the second one's start-up sleep aborts the first
 one's requests and releases memory under it, and the first one's next sleep then releases released
 memory, which crashes SGLang. So a `Lifecycle` holding a server writes a `Lease` into the server's
-`MemoryMark` (the weight version, `engine/lifecycle_types.py`) from `attach` until it lets the
+`MemoryMark` (the weight version, `engine/memory_mark.py`) from `attach` until it lets the
 server go (`restore`/`park` at stop), and a runtime attaching to a server whose lease is held by a
 live owner is refused (`LeaseHeld`).
 

@@ -16,7 +16,8 @@ the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
 - **Hung servers**: `take_out_stalled(after)` (the scheduler's step watchdog calls it) takes out
   every server that has requests in flight, answered none of them for `after` seconds and does not
   answer a `/model_info` probe either; their requests are cancelled and retried on the other servers.
-- **Slot order**: with a per-server limit, requests beyond it wait for a slot; `slot_order` says who
+- **Slot order**: with a per-server limit, requests beyond it wait for a slot; the session's
+  `slot_order` (given to `Router.session` by the scheduler's run, else the router's) says who
   gets a freed slot first. `"fifo"` (default): arrival order. `"depth_first"`: the trajectory with the
   most model turns behind it, then the oldest, so a trajectory back from its tool call goes before a
   fresh first turn. On the H200 (1024 trajectories, c = 256, 0.5 s tools) depth_first measured 0.94x
@@ -27,6 +28,10 @@ the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
 - **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
   without dispatching (the agent loop then ends with its partial trajectory), which is how the
   scheduler's early stop and timeouts end trajectories cleanly.
+  `Router.stop_sessions(sessions, reason)` stops many at once and aborts their requests in flight.
+- **Public surface for sessions**: a `RouteSession` uses only the router's public methods
+  (`least_loaded`, `bind`/`unbind`, `request_started`/`request_ended`, `slots`, `report_failure`/
+  `report_success`), so a router subclass (the Ray worker's `PinnedRouter`) keeps working.
 
 Waits for the gate and for a per-server slot are recorded as "wait" spans, requests as "generate"
 spans, on the session (the scheduler copies them into the trajectory's timeline).
@@ -34,12 +39,13 @@ spans, on the session (the scheduler copies them into the trajectory's timeline)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Literal, Sequence
+from typing import Awaitable, Callable, Iterator, Literal, Mapping, Sequence
 
 import anyio
 
@@ -55,6 +61,9 @@ __all__ = ["NoServerError", "PrioritySlots", "RouteSession", "Router", "RouterSt
 
 SlotOrder = Literal["depth_first", "fifo"]
 
+#: Most abort requests in flight at once when requests are aborted one by one.
+ABORT_CONCURRENCY = 64
+
 
 class NoServerError(EngineUnavailable):
     """No healthy engine server is left to route to."""
@@ -64,6 +73,7 @@ class NoServerError(EngineUnavailable):
 class RouterStats:
     requests: int = 0
     retries: int = 0
+    abort_requests: int = 0  #: /abort_request calls sent to stop sessions
     removed: dict[str, str] = field(default_factory=dict)  #: url → why it was taken out
 
 
@@ -81,6 +91,7 @@ class Router:
         health_timeout: float = 5.0,
         slot_order: SlotOrder = "fifo",
         clock: Callable[[], float] = time.monotonic,
+        sole_client: bool = False,
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
@@ -94,6 +105,10 @@ class Router:
         self.health_timeout = health_timeout
         self.slot_order = slot_order
         self.clock = clock
+        #: This process's gate is the only client generating on these servers (the runtime that owns
+        #: them; not a Ray worker, whose servers other workers share): a stop may then abort everything a
+        #: server runs with one `abort_all` when every request in flight there is one it stops.
+        self.sole_client = sole_client
         self.stats = RouterStats()
         self._outstanding: dict[str, int] = {}
         self._bound: dict[str, int] = {}
@@ -104,9 +119,14 @@ class Router:
         self._kept_last: set[str] = set()  # servers whose "last one: kept" was logged
 
     # ------------------------------------------------------------------ public
-    def session(self, key: str) -> "RouteSession":
-        """A sticky `GenerateFn` for one trajectory (`key` prefixes its request ids)."""
-        return RouteSession(self, key)
+    def session(self, key: str, *, slot_order: SlotOrder | None = None) -> "RouteSession":
+        """A sticky `GenerateFn` for one trajectory (`key` prefixes its request ids). `slot_order`: who
+        of its turns gets a freed per-server slot first (None: the router's `slot_order`); given with
+        the session, so runs with different orders never change a setting shared by the router."""
+        order = self.slot_order if slot_order is None else slot_order
+        if order not in ("depth_first", "fifo"):
+            raise ValueError(f"slot_order must be 'depth_first' or 'fifo', got {order!r}")
+        return RouteSession(self, key, age=next(self._sessions), slot_order=order)
 
     @property
     def urls(self) -> list[str]:
@@ -122,15 +142,48 @@ class Router:
 
     async def abort(self, rids: Sequence[str], *, timeout: float = 10.0) -> None:
         """Abort `rids` on every server directly (routers in front of servers do not forward aborts)."""
+        limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
 
         async def one(rid: str) -> None:
-            with anyio.move_on_after(timeout):
-                for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
-                    log.debug("abort of %s on %s: %s", rid, url, e)
+            async with limit:
+                with anyio.move_on_after(timeout):
+                    for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
+                        log.debug("abort of %s on %s: %s", rid, url, e)
 
         async with anyio.create_task_group() as tg:
             for rid in rids:
                 tg.start_soon(one, rid)
+
+    async def abort_on_servers(self, rids_by_server: Mapping[str, Sequence[str]], *, timeout: float = 10.0) -> int:
+        """Abort requests on the servers they were sent to, all servers at once: one `abort_all` to a
+        server whose requests in flight are all among its `rids` (known only with `sole_client`: no other
+        process generates there) — one round trip instead of one per request — else one abort per rid there, at most
+        `ABORT_CONCURRENCY` at a time. Returns the number of abort requests sent."""
+        sent = 0
+        limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
+
+        async def send(url: str, rid: str | None) -> None:
+            nonlocal sent
+            sent += 1
+            async with limit:
+                with anyio.move_on_after(timeout):
+                    try:
+                        await self.gate.client(url).abort_request(rid, abort_all=rid is None)
+                    except (EngineError, OSError) as e:  # a dead server cannot abort; its request ends on its own
+                        log.debug("abort of %s on %s: %s", rid or "everything", url, e)
+
+        async with anyio.create_task_group() as tg:
+            for url, rids in rids_by_server.items():
+                if not rids:
+                    continue
+                probing = url in self._probe_locks and self._probe_locks[url].locked()  # a /health generate runs
+                if self.sole_client and not probing and self.gate.in_flight(url) <= len(rids):
+                    # Nothing else runs there: abort it all at once.
+                    tg.start_soon(send, url, None)
+                else:
+                    for rid in rids:
+                        tg.start_soon(send, url, rid)
+        return sent
 
     async def take_out_stalled(self, after: float) -> list[str]:
         """Take out every server with requests in flight that answered none for `after` seconds and
@@ -148,8 +201,29 @@ class Router:
             hung.append(url)
         return hung
 
-    # ------------------------------------------------------------------ internals
-    def _pick(self) -> str:
+    async def stop_sessions(self, sessions: Sequence["RouteSession"], reason: str) -> None:
+        """Stop `sessions` at once: nothing more is dispatched for them, their waits (gate, slot,
+        tool calls in `interruptible` scopes) end now, and their requests in flight are aborted on
+        their servers in one round (`abort_on_servers`). A request dispatched just before the stop may
+        not be registered on its server yet, so what is still in flight 0.2 s later is aborted again."""
+        for s in sessions:
+            s.stop(reason)
+        while True:
+            by_server: dict[str, list[str]] = {}
+            for s in sessions:
+                rid, url = s.in_flight_rid, s.in_flight_url
+                if rid is not None and url is not None:
+                    by_server.setdefault(url, []).append(rid)
+            if not by_server:
+                return
+            self.stats.abort_requests += await self.abort_on_servers(by_server)
+            with anyio.move_on_after(0.2):
+                for s in sessions:
+                    await s.wait_idle()
+
+    # ------------------------------------------------------------------ what route sessions use
+    def least_loaded(self) -> str:
+        """The live server with the fewest outstanding requests (ties: fewest bound trajectories)."""
         urls = self.urls
         if not urls:
             why = "; ".join(f"{u}: {r}" for u, r in self.gate.out.items())
@@ -157,19 +231,41 @@ class Router:
         order = {u: i for i, u in enumerate(urls)}
         return min(urls, key=lambda u: (self._outstanding.get(u, 0), self._bound.get(u, 0), order[u]))
 
-    def _bind(self, url: str) -> None:
+    def bind(self, url: str) -> None:
+        """One more trajectory is bound (sticky) to `url`."""
         self._bound[url] = self._bound.get(url, 0) + 1
 
-    def _unbind(self, url: str) -> None:
+    def unbind(self, url: str) -> None:
         self._bound[url] = max(0, self._bound.get(url, 0) - 1)
 
-    def _slot(self, url: str) -> PrioritySlots | None:
+    def request_started(self, url: str) -> None:
+        """A request was routed to `url` (it counts as outstanding until `request_ended`)."""
+        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+
+    def request_ended(self, url: str) -> None:
+        self._outstanding[url] -= 1
+
+    def slots(self, url: str) -> PrioritySlots | None:
+        """`url`'s per-server request slots (None: no per-server limit)."""
         if self.per_server_limit is None:
             return None
         if url not in self._slots:
             self._slots[url] = PrioritySlots(self.per_server_limit)
         return self._slots[url]
 
+    async def report_failure(self, url: str, error: EngineError) -> None:
+        """A request to `url` failed and is retried: count it; take the server out when it is dead or
+        failing repeatedly (see the module docstring)."""
+        self.stats.retries += 1
+        if url in self.gate.urls:
+            await self._on_failure(url, error)
+
+    def report_success(self, url: str) -> None:
+        """A request to `url` was answered: its run of failures ends."""
+        self._failures[url] = 0
+        self._kept_last.discard(url)
+
+    # ------------------------------------------------------------------ internals
     async def _on_failure(self, url: str, error: EngineError) -> None:
         """Count a failure of `url`; take the server out when it is dead or failing repeatedly."""
         if url not in self.gate.urls:
@@ -202,20 +298,18 @@ class Router:
         self.stats.removed[url] = reason
         await self.gate.take_out(url, reason)  # logged once by the lifecycle that owns the gate
 
-    def _on_success(self, url: str) -> None:
-        self._failures[url] = 0
-        self._kept_last.discard(url)
-
 
 class RouteSession:
     """The `GenerateFn` of one trajectory: sticky to one server, retried elsewhere if it dies."""
 
-    def __init__(self, router: Router, key: str) -> None:
+    def __init__(self, router: Router, key: str, *, age: int = 0, slot_order: SlotOrder = "fifo") -> None:
         self.router = router
         self.key = key
-        self.age = next(router._sessions)
+        self.age = age  #: the tie-break of the slot order (older sessions first)
+        self.slot_order = slot_order
         self.url: str | None = None
         self.in_flight_rid: str | None = None
+        self.in_flight_url: str | None = None  #: the server `in_flight_rid` was sent to
         self.rids: list[str] = []
         self.stop_reason: str | None = None
         self.events: list[TimelineEvent] = []
@@ -243,6 +337,19 @@ class RouteSession:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that `stop()` cancels (cancelled at once if stopped already): the agent loop's
+        waits between model turns (tools) run in it, so a stop ends them at once (`AgentContext.interruptible`)."""
+        with anyio.CancelScope() as scope:
+            if self.stopped:
+                scope.cancel()
+            self._waits.add(scope)
+            try:
+                yield scope
+            finally:
+                self._waits.discard(scope)
+
     async def wait_stopped(self) -> None:
         """Return once `stop()` was called (at once if it was)."""
         if self.stop_reason is not None:
@@ -262,7 +369,7 @@ class RouteSession:
     def close(self) -> None:
         """Release the sticky binding (the trajectory has ended)."""
         if self.url is not None and not self._closed:
-            self.router._unbind(self.url)
+            self.router.unbind(self.url)
         self._closed = True
         self.url = None
 
@@ -277,7 +384,7 @@ class RouteSession:
                 return self._not_dispatched()
             url = self.current_server()
             rid = f"{self.key}-{os.urandom(6).hex()}"  # 48 random bits, as uuid4().hex[:12] had
-            router._outstanding[url] = router._outstanding.get(url, 0) + 1
+            router.request_started(url)
             try:
                 out = await self._dispatch(url, rid, input_ids, sampling_params)
             except EngineError as e:
@@ -285,16 +392,14 @@ class RouteSession:
                     raise
                 attempt += 1
                 self.retries += 1
-                router.stats.retries += 1
                 log.debug("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
-                if url in router.urls:
-                    await router._on_failure(url, e)
+                await router.report_failure(url, e)
                 if url not in router.urls:
                     self._unbind()  # move on to another server
                 continue
             finally:
-                router._outstanding[url] -= 1
-            router._on_success(url)
+                router.request_ended(url)
+            router.report_success(url)
             if out is None:  # stopped while waiting for the gate or a slot
                 return self._not_dispatched()
             return out
@@ -307,11 +412,11 @@ class RouteSession:
         # timeline, and so a stop ends the wait (a sleeping engine would otherwise hold it forever).
         if not router.gate.is_open and not await self._unless_stopped(router.gate.wait_awake):
             return None
-        slot = router._slot(url)
+        slot = router.slots(url)
         if slot is not None:
             if self.stopped:
                 return None
-            entry = slot.enqueue((-len(self.rids), self.age) if router.slot_order == "depth_first" else (0, 0))
+            entry = slot.enqueue((-len(self.rids), self.age) if self.slot_order == "depth_first" else (0, 0))
             if entry is not None:
                 # Most turns wait here (more trajectories than slots): the wait is withdrawn by `stop()`
                 # rather than run in a cancel scope, whose cost per turn was a visible share of the client's CPU.
@@ -327,13 +432,13 @@ class RouteSession:
                 self.events.append(TimelineEvent("wait", t0, t1))
             if self.stopped:
                 return None
-            self.in_flight_rid = rid
+            self.in_flight_rid, self.in_flight_url = rid, url
             self.rids.append(rid)
             router.stats.requests += 1
             try:
                 return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
             finally:
-                self.in_flight_rid = None
+                self.in_flight_rid = self.in_flight_url = None
                 if self._idle is not None:
                     self._idle.set()
                     self._idle = None
@@ -348,13 +453,9 @@ class RouteSession:
             return False
         # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event.
         done = False
-        with anyio.CancelScope() as scope:
-            self._waits.add(scope)
-            try:
-                await wait()
-                done = True
-            finally:
-                self._waits.discard(scope)
+        with self.interruptible():
+            await wait()
+            done = True
         return done
 
     def current_server(self) -> str:
@@ -362,14 +463,20 @@ class RouteSession:
         if self.url is not None and self.url not in self.router.urls:
             self._unbind()  # its server was taken out (by another trajectory's failure)
         if self.url is None:
-            self.url = self.router._pick()
-            self.router._bind(self.url)
-            self.servers.append(self.url)
+            self.bind_to(self.router.least_loaded())
+        assert self.url is not None
         return self.url
+
+    def bind_to(self, url: str) -> None:
+        """Bind this trajectory to `url` (sticky from now on); e.g. the server a Ray driver chose for it."""
+        self._unbind()
+        self.url = url
+        self.router.bind(url)
+        self.servers.append(url)
 
     def _unbind(self) -> None:
         if self.url is not None:
-            self.router._unbind(self.url)
+            self.router.unbind(self.url)
             self.url = None
 
     def _retryable(self, url: str, e: EngineError) -> bool:

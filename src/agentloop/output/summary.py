@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .atomic_file import atomic_write_text
-from ..engine.lifecycle_types import StageRecord
+from ..engine.lifecycle import StageRecord
 from ..types import STATUSES, Trajectory
 
 __all__ = ["PROMPT_STATUSES", "TIME_KINDS", "stage_seconds", "summarize_run", "summarize_step", "time_split",

@@ -172,6 +172,7 @@ class Runtime(SyncFacade):
             max_retries=scfg.max_turn_retries,
             failure_threshold=scfg.server_failure_threshold,
             request_timeout=ecfg.request_timeout,
+            sole_client=True,  # the lifecycle's owner lease: no other runtime generates on these servers
         )
         self.scheduler = Scheduler(
             self.router,

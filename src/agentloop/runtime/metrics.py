@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..engine.lifecycle_types import StageRecord
+from ..engine.lifecycle import StageRecord
 
 __all__ = ["step_metrics"]
 

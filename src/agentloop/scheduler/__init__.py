@@ -1,12 +1,13 @@
 """Scheduling one step's trajectories: limits, GRPO groups, timeouts, over-sampling, the step watchdog.
 
-Modules: `core.py` (`Scheduler` and one run of it), `groups.py` (GRPO groups and their accounting),
-`watch.py` (deadlines, the step watchdog), `result.py` (`ScheduleResult`), `filters.py` (group filters),
-`gc_scope.py` (the opt-in GC freeze of a step).
+Modules: `core.py` (`Scheduler`, the entry point), `run.py` (`ScheduleRun`: one call, orchestrating the
+parts below), `book.py` (`GroupBook`: synchronous group accounting), `watchdog.py` (deadlines, hung
+servers), `trajectory.py` (one agent loop, failure isolation, scoring), `result.py` (`ScheduleResult`),
+`filters.py` (group filters), `gc_scope.py` (the opt-in GC freeze of a step).
 """
 
+from .book import expand_samples
 from .core import Scheduler, with_overrides
-from .groups import expand_samples
 from .result import ScheduleResult
 
 __all__ = ["ScheduleResult", "Scheduler", "expand_samples", "with_overrides"]

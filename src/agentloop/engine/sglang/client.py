@@ -42,7 +42,7 @@ from ..base import (
     SamplingParams,
     parse_generate_response,
 )
-from ..lifecycle_types import served_version
+from ..memory_mark import served_version
 from ..served_model import ServedModel, TensorTransport
 from ..weight_payloads import NonFiniteWeightsError, check_finite, cuda_ipc_payloads, safetensors_payload
 from .error_body import error_message
@@ -323,5 +323,5 @@ class SGLangClient(HttpTransport):
 
     async def weight_version(self) -> str:
         """The served weight version (`/model_info`; SGLang removed `/get_weight_version`), without the
-        mark a lifecycle records in it (`agentloop.engine.lifecycle_types.MemoryMark`)."""
+        mark a lifecycle records in it (`agentloop.engine.memory_mark.MemoryMark`)."""
         return served_version(str((await self.model_info()).get("weight_version", "")))

@@ -1,20 +1,25 @@
 """Bootstrap of the `python` tool's child interpreter (run as `python -I -S -B -u _sandbox_boot.py CONFIG`).
 
-It is the first code in the child, uses only the standard library (plus seccompy, mounted read-only by
-the kernel sandbox) and runs before any model code. In order, it:
-1. reads the model's code from stdin (then stdin is /dev/null),
+It is the first code in the child, uses only the standard library (plus ctypes for the kernel calls) and
+runs before any model code. In the kernel sandbox it is PID 1 of its PID namespace. In order, it:
+1. reads its config; as PID 1, makes the signals a namespace's init would ignore (SIGXCPU of the CPU
+   limit, SIGALRM, SIGTERM, ...) end it with status 128 + signal,
 2. sets resource limits with hard == soft (CPU seconds, address space, processes, file size, open
-   files, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code raise a hard limit,
-3. loads the seccomp filter the parent sent (`src/agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
-   namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...) — irreversible, and
+   files, POSIX message queues, no core dumps); without CAP_SYS_RESOURCE the kernel never lets the code
+   raise a hard limit,
+3. when asked (`mount_scratch`), enters a mount namespace of its own, mounts the scratch tmpfs with
+   `size=` and `nr_inodes=` (bubblewrap cannot set an inode limit), then drops every capability,
+4. loads the seccomp filter the parent sent (`src/agentloop/tools/sandbox/policy.py`: no fork/exec, ptrace,
+   namespaces, mounts, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...; without a memory
+   cgroup also SysV shm/msg, memfd, POSIX mqueues — and checks those are refused) — irreversible, and
    inherited by every thread,
-4. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
+5. checks what the kernel says about this process (`require_isolation`): no capabilities, no_new_privs,
    seccomp in filter mode, a user namespace whose uids are not host root, a network namespace with
-   nothing but its loopback, a PID namespace of its own, a tmpfs root where only scratch, /proc and the
-   device nodes are mounted writable — and exits with status 111 and a
+   nothing but its loopback, PID 1 of a PID namespace, a tmpfs root where only scratch, /proc and the
+   device nodes are mounted writable, a scratch with its inode limit — and exits with status 111 and a
    "sandbox-boot:" message instead of running the code when any of it does not hold,
-5. enters the scratch directory,
-6. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
+6. enters the scratch directory,
+7. unless the parent turned it off (`audit_hook: false`, a switch for tests that show the kernel layers
    hold on their own), installs an audit hook (PEP 578; a hook cannot be removed once added) that refuses:
    - opening a file for writing, or any path-changing os call (mkdir, remove, rename, link, chmod, ...),
      outside the scratch directory (paths are resolved with realpath; paths with ".." and creating
@@ -27,7 +32,7 @@ the kernel sandbox) and runs before any model code. In order, it:
    - every socket operation, and importing socket/ssl/ctypes/_posixsubprocess/gc/sqlite3/dbm/...,
    and it strips the unaudited `pidfd_open`/`pidfd_send_signal`/`mkfifo`/`mknod`/`chroot`/`setpriority`/`sched_set*`
    from os/posix/signal,
-7. runs the code as `__main__` in a fresh module namespace.
+8. runs the code as `__main__` in a fresh module namespace.
 
 The audit hook is defence in depth only: code in the same interpreter can switch it off (e.g. with
 hand-made code objects that write the interpreter's memory). The guarantees come from the kernel:
@@ -63,6 +68,7 @@ def _set_limits(cfg, uid):
         (resource.RLIMIT_FSIZE, cfg["file_bytes"]),
         (resource.RLIMIT_NOFILE, cfg["open_files"]),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),  # POSIX message queues: kernel memory outside the address space
     ]
     if cfg.get("max_processes") is not None:
         limits.append((resource.RLIMIT_NPROC, _count_tasks_of(uid) + cfg["max_processes"]))
@@ -264,31 +270,85 @@ def _refuse(what):
     os._exit(ISOLATION_FAILED)
 
 
-def _load_seccomp(program):
-    """Load the parent's compiled filter (seccompy built it from src/agentloop/tools/sandbox/policy.py) with the
-    two calls seccomp(2) documents: no_new_privs, then prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER). Loading
-    seccompy itself here would cost more than the rest of the start-up; ctypes is forgotten afterwards."""
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE, CLONE_NEWNS = 2, 4, 0x4000, 0x40000, 0x00020000
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+EPERM = 1
+
+
+def _kernel_setup(cfg):
+    """The steps that need ctypes, before the code exists: (1) when the parent asked for it, mount the
+    scratch tmpfs with the inode limit bubblewrap cannot set (`nr_inodes`: empty files cost kernel memory
+    that no byte limit counts) and drop every capability the interpreter was started with for that (its
+    own user namespace's CAP_SYS_ADMIN; nothing else will ever hold one); (2) load the parent's compiled
+    seccomp filter (seccompy built it from agentloop/tools/sandbox/policy.py) with the two calls seccomp(2)
+    documents: no_new_privs, then prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER); (3) without a memory
+    cgroup, confirm the filter refuses the memory no rlimit counts. Loading seccompy itself here would
+    cost more than the rest of the start-up; ctypes is forgotten afterwards."""
     before = set(sys.modules)
+    stage = "start"
     try:
         import ctypes
 
-        class SockFprog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
         libc = ctypes.CDLL(None, use_errno=True)
-        buf = ctypes.create_string_buffer(program, len(program))
-        prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
-        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+        if cfg.get("mount_scratch"):
+            # A mount namespace of the interpreter's own user namespace (bubblewrap's mounts were made
+            # in an outer one, whose CAP_SYS_ADMIN it never had): its mounts are copies, locked as they are.
+            stage = "enter a mount namespace of its own"
+            if libc.unshare(CLONE_NEWNS) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+            if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+                raise OSError(ctypes.get_errno(), "mount(/, MS_REC|MS_PRIVATE)")
+            stage = "mount the scratch tmpfs"
+            opts = "size=%d,nr_inodes=%d,mode=0700" % (cfg["scratch_bytes"], cfg["scratch_inodes"])
+            if libc.mount(b"tmpfs", cfg["scratch"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+                raise OSError(ctypes.get_errno(), "mount(tmpfs, %s, %s)" % (cfg["scratch"], opts))
+            stage = "drop capabilities"
+            for cap in range(64):  # the bounding set (needs CAP_SETPCAP: held in the root chain only)
+                if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: past the last
+                    break
+            if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+            data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2: all zero
+            if libc.capset(header, data) != 0:
+                raise OSError(ctypes.get_errno(), "capset(none)")
+        if cfg.get("seccomp"):
+            stage = "load the seccomp filter"
+            program = cfg["seccomp"]
+
+            class SockFprog(ctypes.Structure):
+                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+            buf = ctypes.create_string_buffer(program, len(program))
+            prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+            if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+            if cfg.get("memory_layer") == "seccomp":
+                stage = "check that memory outside the address space is refused"
+                got = {}
+                got["shmget"] = libc.shmget(0, 4096, 0o600) == -1 and ctypes.get_errno() == EPERM  # IPC_PRIVATE
+                got["memfd_create"] = libc.memfd_create(b"x", 0) == -1 and ctypes.get_errno() == EPERM
+                got["msgget"] = libc.msgget(0, 0o600) == -1 and ctypes.get_errno() == EPERM
+                open_ = [name for name, ok in got.items() if not ok]
+                if open_:
+                    _refuse("no memory cgroup, and the seccomp filter does not refuse %s" % ", ".join(open_))
     except Exception as e:
-        _refuse("could not load the seccomp filter: %s: %s" % (type(e).__name__, e))
+        _refuse("could not %s: %s: %s" % (stage, type(e).__name__, e))
     for name in set(sys.modules) - before:
         del sys.modules[name]
 
 
-def _check_isolation(seccomp, scratch):
+def _exit_like_signal(signum, frame):
+    """As PID 1 of its namespace the interpreter is not killed by signals it does not handle (the
+    kernel's init protection): the CPU soft limit's SIGXCPU, an alarm, SIGTERM would be ignored. Exit
+    with the status a shell (and bubblewrap) gives a process killed by that signal instead."""
+    os._exit(128 + signum)
+
+
+def _check_isolation(seccomp, scratch, scratch_inodes):
     """What the kernel reports about this process; refuse to run the code unless it is isolated."""
     status = {}
     with open("/proc/self/status") as f:
@@ -313,18 +373,23 @@ def _check_isolation(seccomp, scratch):
         interfaces = [line.split(":")[0].strip() for line in f.readlines()[2:]]
     if interfaces != ["lo"]:
         problems.append("network interfaces %s (no network namespace of its own)" % interfaces)
-    if os.getpid() > 8:  # bubblewrap's PID 1, then this interpreter
-        problems.append("pid %d (no PID namespace of its own)" % os.getpid())
+    if os.getpid() != 1:  # bubblewrap --as-pid-1: no process in the namespace but this filtered one
+        problems.append("pid %d (no PID namespace of its own, or not its PID 1)" % os.getpid())
+    scratch_super = None
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields, _, fs = line.partition(" - ")
             fields = fields.split()
             where, options, fstype = fields[4], fields[5].split(","), fs.split()[0]
+            if where == scratch:
+                scratch_super = fs.split()[2].split(",") if len(fs.split()) > 2 else []
             if where == "/" and fstype != "tmpfs":
                 problems.append("the root is the host's %s, not a minimal root" % fstype)
             writable_ok = where in (scratch, "/proc") or where.startswith(("/proc/", "/dev/"))
             if "rw" in options and not writable_ok:
                 problems.append("%s is mounted read-write" % where)
+    if scratch_inodes and "nr_inodes=%d" % scratch_inodes not in (scratch_super or ()):
+        problems.append("the scratch tmpfs has no inode limit (%s)" % scratch_super)
     if problems:
         _refuse("isolation check failed: " + "; ".join(problems))
 
@@ -355,11 +420,15 @@ class _ShutilByPath:
 def _main():
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     null = os.open(os.devnull, os.O_RDONLY)
+    if cfg.get("as_pid_1"):
+        for sig in (signal.SIGXCPU, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGTERM, signal.SIGHUP,
+                    signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, _exit_like_signal)
     _set_limits(cfg, os.getuid())
-    if cfg.get("seccomp"):
-        _load_seccomp(cfg["seccomp"])
+    if cfg.get("seccomp") or cfg.get("mount_scratch"):
+        _kernel_setup(cfg)
     if cfg.get("require_isolation"):
-        _check_isolation(cfg.get("seccomp"), cfg["scratch"])
+        _check_isolation(cfg.get("seccomp"), cfg["scratch"], cfg.get("scratch_inodes") if cfg.get("mount_scratch") else None)
     scratch = os.path.realpath(cfg["scratch"])
     os.chdir(scratch)
     sys.path.extend(cfg.get("extra_paths", ()))

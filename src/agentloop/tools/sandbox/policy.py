@@ -8,6 +8,9 @@ mount API, `pivot_root`, `chroot`), kernel facilities that are attack surface an
 Python (`bpf`, `keyctl` and friends, module loading, `kexec`, `io_uring` — which also runs I/O that
 seccomp never sees —, `userfaultfd`, handle-based opens, clocks, swap, reboot, ...) and sockets of any
 family but AF_UNIX (asyncio needs a socketpair; the network namespace is empty anyway).
+Without a memory cgroup (`cgroup.py`) the filter also refuses the memory that no rlimit counts
+(`MEMORY_ESCAPES`: SysV shared memory and message queues, memfd, POSIX message queues): pages a cgroup
+would charge to the call, but that the address-space limit never sees.
 Foreign ABIs (i386 via int 0x80) are killed by seccompy's architecture check; x32 numbers of the
 denied calls are denied too, for kernels built with the x32 ABI.
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 import errno
 import functools
 
-__all__ = ["DENIED_SYSCALLS", "compiled_filter", "seccomp_rules"]
+__all__ = ["DENIED_SYSCALLS", "MEMORY_ESCAPES", "compiled_filter", "seccomp_rules"]
 
 CLONE_THREAD = 0x00010000
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -50,6 +53,11 @@ DENIED_SYSCALLS = (
     "migrate_pages", "move_pages", "memfd_secret",
 )
 
+# Memory outside RLIMIT_AS: SysV shm segments and message queues (kernel memory of the IPC namespace that
+# outlives any detach), memfd (shmem pages held by an fd), POSIX message queues. Refused when no memory
+# cgroup charges them to the call.
+MEMORY_ESCAPES = ("shmget", "shmat", "msgget", "msgsnd", "memfd_create", "mq_open")
+
 
 Rule = tuple[int, int, list[tuple[int, int, int, int]]]
 
@@ -63,14 +71,16 @@ def _nr(name: str) -> int | None:
         return None
 
 
-def seccomp_rules() -> list[Rule]:
+def seccomp_rules(memory_cgroup: bool = True) -> list[Rule]:
     """(syscall number, errno, [(arg index, seccompy.CmpOp, value, mask)]) for the native architecture, in
-    match order: the first rule of a syscall whose conditions hold decides; anything else is allowed."""
+    match order: the first rule of a syscall whose conditions hold decides; anything else is allowed.
+    `memory_cgroup` False: the call has no memory cgroup, so `MEMORY_ESCAPES` are refused too."""
     import seccompy
 
     full = (1 << 64) - 1
     rules: list[Rule] = []
-    denied = [nr for nr in map(_nr, DENIED_SYSCALLS) if nr is not None]
+    names = DENIED_SYSCALLS if memory_cgroup else DENIED_SYSCALLS + MEMORY_ESCAPES
+    denied = [nr for nr in map(_nr, names) if nr is not None]
     rules += [(nr, errno.EPERM, []) for nr in denied]
     clone, clone3 = _nr("clone"), _nr("clone3")
     if clone is not None:
@@ -88,13 +98,13 @@ def seccomp_rules() -> list[Rule]:
     return rules
 
 
-@functools.lru_cache(maxsize=1)
-def compiled_filter() -> bytes:
+@functools.lru_cache(maxsize=2)
+def compiled_filter(memory_cgroup: bool = True) -> bytes:
     """The policy as a seccomp BPF program (packed `struct sock_filter`s) for the native architecture:
     foreign architectures are killed, the rules above return their errno, everything else is allowed."""
     import seccompy
 
     filt = seccompy.Filter(default=seccompy.Action.ALLOW)
-    for nr, err, conds in seccomp_rules():
+    for nr, err, conds in seccomp_rules(memory_cgroup):
         filt.errno(nr, err, args=[seccompy.ArgCmp(*c) for c in conds] or None)
     return filt.program

@@ -17,6 +17,8 @@ import anyio
 import anyio.abc
 from anyio.abc import Process
 
+from .cgroup import CallCgroup
+
 __all__ = ["SandboxOutput", "Sandboxed", "WarmPool", "communicate", "kill_process", "run_sandboxed", "start_sandboxed"]
 
 # How long a kill waits for the processes of a sandbox to be gone (they are SIGKILLed: moments).
@@ -25,7 +27,9 @@ EXIT_WAIT_SECONDS = 10.0
 
 @dataclass
 class SandboxOutput:
-    """What one run produced. `returncode` < 0: killed by that signal; None: never reaped (not expected)."""
+    """What one run produced. `returncode` < 0: killed by that signal; None: never reaped (not expected).
+    `memory_exceeded`: the kernel killed a process of the call at its memory cgroup's limit;
+    `memory_peak`: the cgroup's peak usage in bytes (None without a cgroup)."""
 
     stdout: str
     stderr: str
@@ -34,6 +38,8 @@ class SandboxOutput:
     timed_out: bool
     stdout_dropped: int = 0
     stderr_dropped: int = 0
+    memory_exceeded: bool = False
+    memory_peak: int | None = None
 
 
 async def _read_capped(stream: anyio.abc.ByteReceiveStream | None, cap: int, sink: list[bytes], dropped: list[int],
@@ -60,18 +66,29 @@ def _kill_group(pid: int) -> None:
 
 @dataclass
 class Sandboxed:
-    """A started sandbox process (bubblewrap, or the interpreter itself in the unsafe mode)."""
+    """A started sandbox process (bubblewrap, or the interpreter itself in the unsafe mode), and the
+    cgroup all its processes were born in (`cgroup.CallCgroup`, or None)."""
 
     proc: Process
+    cgroup: CallCgroup | None = None
 
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode
 
 
-async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str) -> Sandboxed:
-    """Start `cmd` in a new session (its process group is what gets killed). Raises OSError if it cannot start."""
-    return Sandboxed(await anyio.open_process(list(cmd), cwd=cwd, env=dict(env), start_new_session=True))
+async def start_sandboxed(cmd: Sequence[str], *, env: Mapping[str, str], cwd: str,
+                          cgroup: CallCgroup | None = None) -> Sandboxed:
+    """Start `cmd` in a new session (its process group is what gets killed), inside `cgroup` when given
+    (which it then owns: removed when the process is killed). Raises OSError if it cannot start."""
+    argv = cgroup.join_argv(list(cmd)) if cgroup is not None else list(cmd)
+    try:
+        return Sandboxed(await anyio.open_process(argv, cwd=cwd, env=dict(env), start_new_session=True), cgroup)
+    except BaseException:
+        if cgroup is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(cgroup.remove)
+        raise
 
 
 async def _discard(stream: anyio.abc.ByteReceiveStream | None) -> None:
@@ -90,12 +107,16 @@ async def kill_process(box: Sandboxed) -> None:
     PID 1 dies — `--die-with-parent`), then reap the child. Shielded: runs even while being cancelled."""
     with anyio.CancelScope(shield=True):
         _kill_group(box.proc.pid)
+        if box.cgroup is not None:  # the sandbox's PID 1 is in another session: kill it by its cgroup too
+            await anyio.to_thread.run_sync(box.cgroup.kill)
         with anyio.move_on_after(EXIT_WAIT_SECONDS):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_discard, box.proc.stdout)
                 tg.start_soon(_discard, box.proc.stderr)
         await box.proc.wait()
         await box.proc.aclose()
+        if box.cgroup is not None:
+            await anyio.to_thread.run_sync(box.cgroup.remove)
 
 
 async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_output_bytes: int) -> SandboxOutput:
@@ -107,6 +128,8 @@ async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_outpu
     dropped = [0, 0]
     t0 = time.monotonic()
     timed_out = False
+    oom, peak = 0, None
+    cgroup = box.cgroup
     try:
         with anyio.move_on_after(timeout) as scope:
             async with anyio.create_task_group() as tg:
@@ -126,6 +149,9 @@ async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_outpu
                 await proc.wait()
         timed_out = scope.cancelled_caught
     finally:
+        if cgroup is not None:  # read before the kill: it is the code's OOM, not ours
+            with anyio.CancelScope(shield=True):
+                oom, peak = await anyio.to_thread.run_sync(lambda: (cgroup.oom_kills(), cgroup.peak_bytes()))
         await kill_process(box)
     return SandboxOutput(
         stdout=b"".join(out_chunks).decode("utf-8", "replace"),
@@ -135,6 +161,8 @@ async def communicate(box: Sandboxed, *, stdin: bytes, timeout: float, max_outpu
         timed_out=timed_out,
         stdout_dropped=dropped[0],
         stderr_dropped=dropped[1],
+        memory_exceeded=oom > 0,
+        memory_peak=peak,
     )
 
 

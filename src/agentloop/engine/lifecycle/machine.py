@@ -1,0 +1,336 @@
+"""`Lifecycle`: the state machine that drives engine servers' memory through wake and sleep, and moves
+the gates it owns. Its parts: `ServerDriver` (one server: memory calls, marks, lease, attach state),
+`Fleet` (rotation, gates, stages fanned out and recorded), `Owner` (the lease). `_state` is written
+here only.
+
+States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
+
+`wake_up(weights)` (staged): liveness probe → resume(["weights"]) → load the new weights →
+resume(["kv_cache", "cuda_graph"]) → AWAKE → open every gate. One-stage mode resumes every released
+tag at once, then loads. `sleep()`: DRAINING → close every gate → liveness probe → pause(abort)
+in-flight requests → wait for them to settle (in every gate) → continue_generation → flush_cache
+(retried while busy) → release every tag → SLEEPING. The continue sits in the sleep, not the wake-up:
+a paused SGLang server holds new requests until continued, so the engine is unpaused before it sleeps.
+
+Every stage fans out to the servers in rotation and is awaited as one; a server that fails a stage,
+the liveness probe or, mid-step, the router or the step watchdog is taken out while the others go on.
+A stage failing on every server leaves a state from which `wake_up` (resuming where it stopped) or
+`sleep` is legal; a failed sleep stage leaves DRAINING, from which `sleep` resumes at the failed stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import anyio
+
+from ..base import MEMORY_TAGS, EngineClient, GenerateOutput, SamplingParams
+from ..gate import Gate, GateControl
+from ..lease import Lease
+from ..state import EngineState
+from .fleet import Fleet, RecordMark
+from .log import log
+from .owner import Owner
+from .server import ServerDriver
+from .types import SLEEP_STAGES, AttachState, LifecycleError, LifecycleSettings, StageRecord, WakeUp, Weights, same_weights
+
+__all__ = ["Lifecycle"]
+
+WeightsLike = "Weights | Mapping[str, Any] | str | Path | None"
+
+
+def _forward(part: str, name: str, doc: str, *, settable: bool = False) -> property:
+    """A read-through to `self.<part>.<name>` (the lifecycle's public face keeps what its parts do)."""
+
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, part), name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(getattr(self, part), name, value)
+
+    return property(get, put if settable else None, doc=doc)
+
+
+class Lifecycle:
+    """State machine over `clients` that opens and closes the gates it owns (see the module docstring).
+
+    `awake` declares the engines' present state without asking them (`attach()` asks). `staged=False`
+    selects one-stage wake-up (for engines without memory tags). `reload_path` is the folder to reload
+    when weights were released and no new weights are given (default: each server's
+    `model_info()["model_path"]`). `liveness_timeout` bounds the `/model_info` probe before each
+    wake-up and sleep. `attach_state` overrides what `attach()` finds ("auto": read each server's
+    mark). `on_generate(url, state)` is the local gate's instrumentation hook. `takeover` lets
+    `attach()` take servers whose lease a live (or not yet expired) owner holds; `lease_timeout` is
+    how long this lifecycle's own lease lasts unless renewed (`owner.py`).
+    """
+
+    #: Seconds between writing a new lease and reading it back (`ServerDriver.acquire`).
+    acquire_settle: float = 0.5
+
+    def __init__(self, clients: Sequence[EngineClient], *, awake: bool = True, staged: bool = True,
+                 release_tags: Sequence[str] = MEMORY_TAGS, reload_path: str | None = None, flush_retries: int = 50,
+                 flush_retry_delay: float = 0.05, settle_timeout: float = 60.0, stage_timeout: float = 600.0,
+                 liveness_timeout: float = 5.0, attach_state: AttachState = "auto",
+                 on_generate: Callable[[str, EngineState], None] | None = None, takeover: bool = False,
+                 lease_timeout: float = 600.0) -> None:
+        if not clients:
+            raise ValueError("Lifecycle needs at least one engine client")
+        self.settings = LifecycleSettings(
+            staged=staged, release_tags=tuple(release_tags), reload_path=reload_path, flush_retries=flush_retries,
+            flush_retry_delay=flush_retry_delay, settle_timeout=settle_timeout, stage_timeout=stage_timeout,
+            liveness_timeout=liveness_timeout, takeover=takeover, lease_timeout=lease_timeout,
+            attach_state=attach_state if isinstance(attach_state, str) else list(attach_state),
+            acquire_settle=self.acquire_settle)
+        self.owner = Owner(self, lease_timeout=lease_timeout, takeover=takeover)
+        drivers = [ServerDriver(c, owner=self.owner, settings=self.settings, served=lambda: self.weight_version)
+                   for c in clients]
+        self._state = EngineState.AWAKE if awake else EngineState.SLEEPING
+        for d in drivers:
+            d.released = set() if awake else set(self.settings.release_tags)
+        #: The gate of this process: the one road to generate and /health (its router's).
+        self.gate = Gate(clients, awake=awake, on_generate=on_generate, on_take_out=lambda url, why: self.fleet.take_out(url, why))
+        self.fleet = Fleet(drivers, [self.gate], stage_timeout=stage_timeout, settle_timeout=settle_timeout)
+        self._transition_lock = anyio.Lock()
+        self._last_weights: Weights | None = None
+        self._waking: WakeUp | None = None
+        self._sleep_resume_at: str | None = None
+        self._version_counter = itertools.count(1)
+        self.weight_version: str | None = None
+
+    # ------------------------------------------------------------------ state and records
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def sleep_resume_at(self) -> str | None:
+        """The sleep stage a retried `sleep()` starts at (None unless a sleep failed part-way)."""
+        return self._sleep_resume_at
+
+    def _set_state(self, state: EngineState) -> None:
+        log.debug("lifecycle %s -> %s", self._state.value, state.value)
+        self._state = state
+
+    @property
+    def records(self) -> list[StageRecord]:
+        """Every stage run so far, in order (`record_mark` / `records_since` read one call's)."""
+        return self.fleet.records
+
+    def record_mark(self) -> RecordMark:
+        """A position in `records`: pass it to `records_since` after a wake-up, sleep or update."""
+        return len(self.fleet.records)
+
+    def records_since(self, mark: RecordMark) -> list[StageRecord]:
+        """The stages run since `mark` (e.g. one step's wake-up and sleep), a copy."""
+        return self.fleet.records_since(mark)
+
+    @property
+    def server_events(self) -> list[dict[str, Any]]:
+        return self.fleet.server_events
+
+    @property
+    def gate_windows(self) -> list[list[float]]:
+        return self.fleet.gate_windows
+
+    @property
+    def lease(self) -> Lease:
+        return self.owner.lease
+
+    # ------------------------------------------------------------------ transitions
+    async def wake_up(self, weights: WeightsLike = None) -> str | None:  # type: ignore[valid-type]
+        """Staged wake-up; returns the weight version now served.
+
+        "The same weights" means the same state dict object or the same path (see `same_weights`),
+        not the same `Weights` wrapper. Callers that arrive while a wake-up with the same weights
+        (or with none) is running share it (and its error). While AWAKE, a call without weights,
+        with the same weights as the last load, or with the version already served is a no-op.
+        Different weights while AWAKE (another state dict, another path, a new `version`) are loaded
+        in place with a new version and logged, never dropped (the engines finish the requests in
+        flight first). To reload a path or a dict changed in place while AWAKE, give a new version.
+        """
+        w = Weights.coerce(weights)
+        joining = self._waking
+        if joining is not None and joining.joins(w):
+            await joining.outcome()
+            return self.weight_version
+        async with self._transition_lock:
+            if self._state is EngineState.AWAKE:
+                if w is not None and not self._serves(w):
+                    version = self._next_version(w)
+                    log.info("wake_up while AWAKE with new weights: loading them in place (%s -> %s)",
+                             self.weight_version, version)
+                    await self.fleet.stage("wake_up", "update_weights", lambda d: d.load(w, version))
+                    self.weight_version, self._last_weights = version, w
+                await self.fleet.open_gates(self.weight_version)
+                return self.weight_version
+            if self._state is EngineState.DRAINING:
+                # the lock is free, so no sleep is running: the last one (or an update) failed part-way
+                raise LifecycleError(
+                    "wake_up", f"the last sleep failed at stage '{self._sleep_resume_at}' and the "
+                    "engines are DRAINING; call sleep() to finish it, then wake_up")
+            self._waking = wake = WakeUp(w)
+            try:
+                if self._state is EngineState.SLEEPING:
+                    await self.fleet.probe(readmit=True)
+                await self._wake_stages(w)
+                self._last_weights = w
+                await self.fleet.open_gates(self.weight_version)
+            except BaseException as e:
+                wake.error = e
+                raise
+            finally:
+                wake.done.set()
+                self._waking = None
+            return self.weight_version
+
+    def _serves(self, w: Weights) -> bool:
+        return same_weights(w, self._last_weights) or (w.version is not None and w.version == self.weight_version)
+
+    async def _wake_stages(self, w: Weights | None) -> None:
+        stage = self.fleet.stage
+        if self.settings.staged:
+            if self._state is EngineState.SLEEPING:
+                await stage("wake_up", "resume_weights", lambda d: d.resume(["weights"]))
+                self._set_state(EngineState.WEIGHTS_RESUMED)
+            if self._state is EngineState.WEIGHTS_RESUMED:
+                await self._load_weights(w)
+                self._set_state(EngineState.WEIGHTS_LOADED)
+            await stage("wake_up", "resume_kv_cache", lambda d: d.resume([t for t in MEMORY_TAGS if t != "weights"]))
+        else:
+            await stage("wake_up", "resume_all", lambda d: d.resume(list(MEMORY_TAGS)))
+            self._set_state(EngineState.WEIGHTS_RESUMED)
+            await self._load_weights(w)
+            self._set_state(EngineState.WEIGHTS_LOADED)
+        self._set_state(EngineState.AWAKE)
+
+    def _next_version(self, w: Weights) -> str:
+        return w.version or f"v{next(self._version_counter)}"
+
+    async def _load_weights(self, w: Weights | None) -> None:
+        if w is None:
+            # Released weights have lost their values (SGLang zeroes them): reload from disk.
+            if "weights" in self.settings.release_tags:
+                version = self.weight_version or "default"
+                await self.fleet.stage("wake_up", "update_weights", lambda d: d.reload(version))
+                self.weight_version = version
+            return
+        version = self._next_version(w)
+        await self.fleet.stage("wake_up", "update_weights", lambda d: d.load(w, version))
+        self.weight_version = version
+
+    async def sleep(self) -> None:
+        """Close every gate, abort and settle in-flight requests, flush, release every tag.
+
+        From AWAKE every stage runs. After a failed sleep (state DRAINING) a retry resumes at the
+        stage that failed, like a retried wake-up: a failed flush_cache is flushed again before the
+        release, a failed release is only released again (each server's released tags are tracked,
+        so nothing is released twice). From a wake-up that stopped part-way nothing was generated,
+        so only the release runs. Servers with nothing that can run skip the draining stages.
+        """
+        async with self._transition_lock:
+            if self._state is EngineState.SLEEPING:
+                return
+            if self._state is EngineState.AWAKE:
+                first = SLEEP_STAGES[0]
+            elif self._state is EngineState.DRAINING:
+                first = self._sleep_resume_at or SLEEP_STAGES[0]
+            else:
+                first = "release"
+            self._set_state(EngineState.DRAINING)
+            self._sleep_resume_at = first
+            await self.fleet.close_gates()  # before any engine is paused: no gate dispatches from here on
+            # (re-admission only when nothing is left in rotation: the next wake-up probes the rest)
+            await self.fleet.probe(readmit=not self.fleet.in_rotation())
+            for stage in SLEEP_STAGES[SLEEP_STAGES.index(first):]:
+                # set before the stage runs, so an error or a cancellation leaves it pointing here
+                self._sleep_resume_at = stage
+                await self.fleet.stage("sleep", stage, self.fleet.sleep_work(stage))
+            self._sleep_resume_at = None
+            self._set_state(EngineState.SLEEPING)
+            await self.fleet.mark_sleeping()
+
+    async def park(self) -> None:
+        """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`),
+        and let them go (`close`)."""
+        async with self._transition_lock:
+            self._park(self.fleet.in_rotation())
+            await self._let_go()
+
+    def _park(self, servers: Sequence[ServerDriver]) -> None:
+        if self._state is EngineState.SLEEPING:
+            for d in servers:
+                d.parked = True
+
+    async def restore(self) -> None:
+        """Leave every server in rotation as it was found: a parked one parked; any other awake (resume
+        its weights, reload them from its model path under the version it had, resume the rest).
+        Called when a runtime that attached to running servers stops."""
+        async with self._transition_lock:
+            found = [d for d in self.fleet.in_rotation() if d.found is not None]
+            self._park([d for d in found if d.found.parked])  # type: ignore[union-attr]
+            todo = [d for d in found if not d.found.parked and d.released]  # type: ignore[union-attr]
+            if todo and self._state is not EngineState.AWAKE:
+                if self._state is not EngineState.SLEEPING:
+                    log.warning("restoring engine servers from %s (the last sleep failed at %r)",
+                                self._state.value, self._sleep_resume_at)
+                await self.fleet.stage("restore", "restore", lambda d: d.restore_as_found(), servers=todo)
+                log.info("engine servers %s left awake, as found", [d.url for d in todo])
+            await self._let_go()
+
+    async def attach(self) -> None:
+        """Learn each server's real memory state (`ServerDriver.resolve`) under this lifecycle's lease,
+        before the first call."""
+        await self.fleet.attach()
+        # servers holding memory are drained and released by the next sleep (each server's own tags)
+        tags = set(self.settings.release_tags)
+        self._set_state(EngineState.DRAINING if any(not tags <= d.released for d in self.fleet.in_rotation())
+                        else EngineState.SLEEPING)
+        self._sleep_resume_at = None
+        await self.gate.close()
+
+    def _as_setting(self, released: set[str] | frozenset[str]) -> str:
+        """The `engine.attach_state` value that says `released`."""
+        return next(iter(self.fleet.drivers.values())).as_setting(released)
+
+    # ------------------------------------------------------------------ the owner lease
+    async def _let_go(self) -> None:
+        self.owner.holding = False
+        await self.fleet.clear_leases()
+        self.close()
+
+    async def keep_lease(self) -> None:
+        """Renew this lifecycle's lease in its servers' marks until cancelled (run it beside a step's
+        rollout: the wake-up and the sleep renew it, this covers a rollout longer than half of
+        `lease_timeout`). A failed write is only logged: the step's own stages say what is wrong."""
+        while self.owner.holding:
+            await anyio.sleep(self.settings.lease_timeout / 4)
+            async with self._transition_lock:
+                await self.fleet.renew_leases(self.settings.liveness_timeout)
+
+    def close(self) -> None:
+        """This lifecycle drives nothing from now on (`Owner.close`). `restore` and `park` call it; call
+        it yourself for a lifecycle abandoned without either."""
+        self.owner.close()
+
+    # ------------------------------------------------------------------ rotation and gates (the fleet's)
+    urls = _forward("fleet", "urls", "Servers in rotation.")
+    clients = _forward("fleet", "clients", "Clients of the servers in rotation.")
+    out_of_rotation = _forward("fleet", "out_of_rotation", "Servers out of rotation now, with why.")
+    take_out = _forward("fleet", "take_out", "`take_out(url, reason)`: out of every stage and gate until re-admitted.")
+    add_gates = _forward("fleet", "add_gates", "Own more gates (Ray: every worker's, through the pool).")
+    # The gate's road, for callers holding the lifecycle (the gate does the work).
+    on_generate = _forward("gate", "on_generate", "The local gate's dispatch hook (settable).", settable=True)
+    generations_outside_awake = _forward("gate", "generations_outside_awake", "See `Gate.generations_outside_awake`.")
+    in_flight = _forward("gate", "in_flight", "Requests in flight (on `url`, or on all).")
+    wait_awake = _forward("gate", "wait_awake", "Block until the gates are open.")
+    generate = _forward("gate", "generate", "`Gate.generate`: the one road to an engine's generate.")
+    health = _forward("gate", "health", "`Gate.health`.")
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort on every server in rotation; raises naming a server that could not be told."""
+        failed = await self.gate.abort(rid, abort_all=abort_all)
+        if failed:
+            url, e = failed[0]
+            raise LifecycleError("abort", str(e), url=url, cause=e)

@@ -1,0 +1,76 @@
+"""How many weight versions old a token is: the order of the versions a scheduler's runs saw, the
+staleness bound of carried trajectories, and the per-step histogram of trained tokens' staleness.
+
+Weight versions are opaque strings (the trainer's, echoed by the engine per request); their order is
+the order in which runs first saw them served (`VersionLog.observe`, at each run's start: the
+colocated runtime wakes with new weights before every step). A token's staleness is the number of
+versions between the one that sampled it and the current one (0: sampled by the current weights). A
+version the log never saw (a trajectory carried in from another process) counts as older than every
+version it did see.
+
+`max_staleness` bounds a carried trajectory by its *first* token (the oldest one): past the bound it
+is restarted from its prompt (`stale_policy: restart`, default: the sample is kept, its stale tokens
+are not) or its whole group leaves the step (`drop`: the group's samples come back in
+`ScheduleResult.dropped`, for the caller to log or re-queue).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable
+
+from ..types import Trajectory
+
+__all__ = ["VersionLog", "token_staleness"]
+
+
+class VersionLog:
+    """The weight versions seen, in order (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+
+    def observe(self, version: str | None) -> None:
+        """Record `version` as served now (a version seen before keeps its place)."""
+        if version and version not in self._index:
+            self._index[version] = len(self._index)
+
+    @property
+    def versions(self) -> list[str]:
+        return list(self._index)
+
+    @property
+    def current(self) -> str | None:
+        return next(reversed(self._index), None) if self._index else None
+
+    def age(self, version: str, *, now: str | None = None) -> int:
+        """Versions between `version` and `now` (default: the latest seen); unknown versions are older
+        than every known one."""
+        now = now if now is not None else self.current
+        if now is None:
+            return 0
+        cur = self._index.get(now, len(self._index) - 1)
+        return cur - self._index.get(version, -1)
+
+    def first_token_age(self, traj: Trajectory) -> int | None:
+        """Staleness of a trajectory's first sampled token (None: it sampled nothing yet)."""
+        for turn in traj.turns:
+            if turn.length > 0:
+                return self.age(turn.weight_version)
+        return None
+
+
+def token_staleness(log: VersionLog, trajectories: Iterable[Trajectory]) -> dict[str, Any]:
+    """Metrics over every sampled (mask-1) token of `trajectories`: `token_staleness` (histogram:
+    versions old → tokens, keys as strings for JSON), `max_token_staleness`, `stale_token_fraction`."""
+    hist: Counter[int] = Counter()
+    for t in trajectories:
+        for turn in t.turns:
+            if turn.length > 0:
+                hist[log.age(turn.weight_version)] += turn.length
+    total = sum(hist.values())
+    return {
+        "token_staleness": {str(k): hist[k] for k in sorted(hist)},
+        "max_token_staleness": max(hist) if hist else 0,
+        "stale_token_fraction": (total - hist.get(0, 0)) / total if total else 0.0,
+    }

@@ -1,0 +1,88 @@
+"""The watchdog of one scheduler run: per-trajectory deadlines and hung servers, in one task.
+
+- **Deadlines**: `add_deadline(key, at)` when a trajectory starts; once `at` passes while
+  `is_running(key)`, the key is recorded in `timed_out` and `on_expired(key)` is called (the run stops
+  that trajectory's route session). One heap and one task for the whole run, not one timer per
+  trajectory.
+- **Hung servers**: with `hung_timeout`, `router.take_out_stalled(hung_timeout)` is called a few times
+  per `hung_timeout` (at most 5 s apart), so a server that stopped answering is found at most a quarter
+  of it late and its requests are retried elsewhere.
+
+`run()` watches until it is cancelled (the run cancels it when its last trajectory is done).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Hashable
+
+import anyio
+
+__all__ = ["Watchdog"]
+
+
+class Watchdog:
+    """Deadlines and the hung-server check of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        is_running: Callable[[Any], bool],
+        on_expired: Callable[[Any], None],
+        router: Any = None,
+        hung_timeout: float | None = None,
+    ) -> None:
+        if hung_timeout is not None and router is None:
+            raise ValueError("Watchdog: hung_timeout needs the router whose servers it checks")
+        self.clock = clock
+        self.is_running = is_running
+        self.on_expired = on_expired
+        self.router = router
+        self.hung_timeout = hung_timeout
+        #: Keys whose deadline passed while they were running.
+        self.timed_out: set[Any] = set()
+        self._heap: list[tuple[float, int, Any]] = []  # (deadline, insertion order, key)
+        self._order = 0
+        self._earlier = anyio.Event()  # set when a deadline earlier than the one waited for arrives
+
+    def add_deadline(self, key: Hashable, at: float) -> None:
+        heapq.heappush(self._heap, (at, self._order, key))
+        self._order += 1
+        if self._heap[0][2] == key:
+            self._earlier.set()  # the watcher sleeps toward a later deadline: wake it
+
+    @property
+    def pending(self) -> int:
+        """Deadlines not yet expired nor dropped (their trajectory may have finished meanwhile)."""
+        return len(self._heap)
+
+    async def run(self) -> None:
+        """Watch deadlines (and servers, with `hung_timeout`) until cancelled."""
+        async with anyio.create_task_group() as tg:
+            if self.hung_timeout is not None:
+                tg.start_soon(self._watch_servers, self.hung_timeout)
+            await self._watch_deadlines()
+
+    async def _watch_servers(self, hung_timeout: float) -> None:
+        while True:
+            await anyio.sleep(min(5.0, hung_timeout / 4))
+            await self.router.take_out_stalled(hung_timeout)
+
+    async def _watch_deadlines(self) -> None:
+        while True:
+            while self._heap and not self.is_running(self._heap[0][2]):
+                heapq.heappop(self._heap)  # finished before its deadline
+            self._earlier = anyio.Event()
+            if not self._heap:
+                await self._earlier.wait()
+                continue
+            at, _, key = self._heap[0]
+            now = self.clock()
+            if now < at:
+                with anyio.move_on_after(at - now):
+                    await self._earlier.wait()
+                continue
+            heapq.heappop(self._heap)
+            self.timed_out.add(key)
+            self.on_expired(key)

@@ -1,0 +1,112 @@
+"""`Fleet` on its own: rotation (every gate told), stage fan-out (one failing server taken out, all failing
+raises and takes out nobody), records, gate windows, settle over every gate, the liveness probe and
+re-admission, against in-memory engines and a recording gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentloop.engine.base import EngineError
+from agentloop.engine.lifecycle import Fleet, LifecycleError, LifecycleSettings, MemoryMark, ServerDriver
+from agentloop.engine.lifecycle.owner import Owner
+from lifecycle_fakes import MemEngine, RecordingGates
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Holder:
+    pass
+
+
+def fleet(*engines: MemEngine, gates: RecordingGates | None = None) -> tuple[Fleet, RecordingGates]:
+    holder = Holder()
+    owner = Owner(holder, lease_timeout=600.0, takeover=False)
+    settings = LifecycleSettings(acquire_settle=0.02, liveness_timeout=1.0)
+    drivers = [ServerDriver(e, owner=owner, settings=settings, served=lambda: "v1") for e in engines]
+    gates = gates or RecordingGates()
+    f = Fleet(drivers, [gates], stage_timeout=5.0, settle_timeout=1.0)
+    f._holder = holder  # type: ignore[attr-defined]
+    return f, gates
+
+
+async def test_a_stage_takes_out_the_server_that_fails_and_records_itself() -> None:
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, gates = fleet(a, b)
+    b.fail["flush"] = EngineError("/flush_cache", None, "connection refused", url=b.url)
+    mark = len(f.records)
+    await f.stage("sleep", "flush_cache", lambda d: d.flush())
+    assert f.urls == ["http://a"] and "connection refused" in f.out_of_rotation["http://b"]
+    assert ("take_out", "http://b") in gates.calls
+    assert [(r.phase, r.stage, r.detail) for r in f.records_since(mark)] == [("sleep", "flush_cache", {"servers": 2})]
+    assert f.server_events[-1]["event"] == "out" and f.server_events[-1]["url"] == "http://b"
+    # the next stage runs on the server left only
+    await f.stage("sleep", "release", lambda d: d.release())
+    assert a.released and not b.released
+
+
+async def test_a_stage_failing_everywhere_raises_naming_each_server_and_takes_out_nobody() -> None:
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, gates = fleet(a, b)
+    for e in (a, b):
+        e.fail["pause"] = EngineError("/pause_generation", 500, "boom", url=e.url)
+    with pytest.raises(LifecycleError, match=r"stage 'pause' failed: failed on every engine server \(http://a.*http://b"):
+        await f.stage("sleep", "pause", lambda d: d.pause("abort"))
+    assert f.urls == ["http://a", "http://b"] and not f.records and ("take_out", "http://a") not in gates.calls
+
+
+async def test_rotation_moves_every_gate_and_admits_back() -> None:
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    extra = RecordingGates()
+    f, gates = fleet(a, b)
+    f.add_gates(extra)
+    await f.take_out("http://b", "hung")
+    await f.take_out("http://b", "again")  # out already: nothing more
+    assert f.out_of_rotation == {"http://b": "hung"} and [d.url for d in f.in_rotation()] == ["http://a"]
+    assert gates.calls.count(("take_out", "http://b")) == 1 and ("take_out", "http://b") in extra.calls
+    await f.admit(f.drivers["http://b"])
+    assert f.urls == ["http://a", "http://b"] and ("admit", "http://b") in extra.calls
+    assert [e["event"] for e in f.server_events] == ["out", "in"]
+
+
+async def test_gate_windows_and_settle_over_every_gate() -> None:
+    a = MemEngine("http://a")
+    f, gates = fleet(a, gates=RecordingGates(in_flight=2))
+    await f.open_gates("v1")
+    await f.open_gates("v1")  # open already: one window
+    await f.close_gates()
+    assert len(f.gate_windows) == 1 and len(f.gate_windows[0]) == 2
+    assert [c for c in gates.calls if c[0] in ("open", "close")] == [("open", "v1"), ("open", "v1"), ("close", None)]
+    with pytest.raises(LifecycleError, match="2 requests still in flight"):
+        await f.settle(f.drivers["http://a"])
+    f.drivers["http://a"].released = {"weights"}  # nothing can run there: nothing to wait for
+    await f.settle(f.drivers["http://a"])
+
+
+async def test_probe_takes_out_a_dead_server_and_readmits_it_asleep_when_it_answers() -> None:
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, gates = fleet(a, b)
+    await f.attach()
+    b.fail["model_info"] = EngineError("/model_info", None, "connection refused", url=b.url)
+    await f.probe(readmit=False)
+    assert f.urls == ["http://a"] and "liveness probe" in f.out_of_rotation["http://b"]
+    b.weight_version = "default"  # it came back (a restart: awake, no mark)
+    await f.probe(readmit=True)
+    assert f.urls == ["http://a", "http://b"]
+    # re-admitted in its real state and put to sleep like the others before it is woken with them
+    assert b.released == {"weights", "kv_cache", "cuda_graph"}
+    after = b.ops()[len(b.ops()) - b.ops()[::-1].index("pause") - 1:]
+    assert [op for op in after if op != "version"] == ["pause", "continue", "flush", "release"]
+    assert MemoryMark.decode(b.weight_version).released == b.released
+
+
+async def test_probe_with_no_server_left_fails_naming_each() -> None:
+    a = MemEngine("http://a")
+    f, _ = fleet(a)
+    a.fail["model_info"] = EngineError("/model_info", None, "connection refused", url=a.url)
+    with pytest.raises(LifecycleError, match=r"stage 'liveness' failed: no engine server left \(http://a: failed the liveness probe"):
+        await f.probe(readmit=False)
