@@ -10,10 +10,11 @@ said in the JSON):
 
 - **per_step**: `Runtime.step(B fresh groups, new weights)`: staged wake-up → every trajectory to its
   end → sleep. Its in-flight count is the batch (B × n trajectories).
-- **over_admission**: `Runtime.step` over `active / n` groups (the previous step's carry-over first,
-  topped up with fresh groups) with `target_groups = B`: the step returns once B groups are complete,
-  the rest are aborted and carried (partial rollout) into the next step; carried groups older than
-  `--max-staleness` versions are restarted (`apply_staleness_bound`). Wake-up and sleep every step.
+- **over_admission**: `Runtime.step(carry, target_groups=B, active=active, more_samples=feeder)`: the
+  scheduler keeps `active` trajectories in flight, refilling a finished one's slot from the feeder at
+  once, returns once B groups are complete, and carries the rest (partial rollout) into the next step,
+  where carried trajectories older than `--max-staleness` versions are restarted. Wake-up and sleep
+  every step.
 - **streaming**: `rollout_stream` (`agentloop.runtime.stream`) keeping `active` trajectories in
   flight; after each batch the trainer applies new weights in flight (`update_weights`); the engine
   never sleeps. AReaL's bound `--max-staleness`.
@@ -69,7 +70,6 @@ from agentloop.agents.replay import _fixed_ids  # noqa: E402  (the replay loop's
 from agentloop.engine.base import SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import Weights  # noqa: E402
 from agentloop.runtime.stream import StreamConfig, rollout_stream  # noqa: E402
-from agentloop.runtime.stream_types import VersionBook, apply_staleness_bound, staleness_histogram  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 MODES = ("per_step", "over_admission", "streaming", "bare_refill")
@@ -150,17 +150,21 @@ def _step_tokens(trajs: list[Any], n: int, want_groups: int, mode: str) -> int:
     return sum(sum(t.response_mask) for t in trajs)
 
 
+def _hist(metrics: dict[str, Any]) -> dict[int, int]:
+    """The step's staleness histogram of returned sampled tokens (the scheduler's `token_staleness`)."""
+    return {int(k): v for k, v in metrics.get("token_staleness", {}).items()}
+
+
 async def per_step(rt: Runtime, engine: Any, args: argparse.Namespace, src: GroupSource, weights: Callable[[], Weights],
                    active: int) -> dict[str, Any]:
     B, n = args.batch_groups, args.group_size
 
     async def body(run: dict[str, Any]) -> None:
-        book, t0 = VersionBook(), time.monotonic()
+        t0 = time.monotonic()
         while run["steps"] < args.steps and time.monotonic() - t0 < args.run_limit:
             res = await rt.step([src.sample() for _ in range(B)], weights(), n=n, concurrency=B * n)
-            book.add(res.weight_version)
             run["trained_tokens"] += _step_tokens(res.trajectories, n, B, "per_step")
-            _add_hist(run["staleness_histogram"], staleness_histogram(res.trajectories, book))
+            _add_hist(run["staleness_histogram"], _hist(res.metrics))
             run["stage_seconds"] += res.metrics["wake_up_seconds"] + res.metrics["sleep_seconds"]
             run["steps"] += 1
 
@@ -171,33 +175,36 @@ async def per_step(rt: Runtime, engine: Any, args: argparse.Namespace, src: Grou
 
 async def over_admission(rt: Runtime, engine: Any, args: argparse.Namespace, src: GroupSource,
                          weights: Callable[[], Weights], active: int) -> dict[str, Any]:
+    """The scheduler's over-admission: `active` trajectories in flight, refilled from the feeder as soon as
+    one finishes, until B groups are accepted; the rest carried (partial rollout) into the next step, where
+    `max_staleness` restarts the ones that started too many versions ago."""
     B, n = args.batch_groups, args.group_size
-    groups_in_flight = max(B, active // n)
+    feeder = src.samples()
 
     async def body(run: dict[str, Any]) -> None:
-        book, carry, t0 = VersionBook(), [], time.monotonic()
-        run.update(carried=[], restarted_for_staleness=0, stop_tail_s=[])
+        carry: list[Sample] = []
+        t0 = time.monotonic()
+        run.update(carried=[], restarted_for_staleness=0, started=[], stop_tail_s=[])
         while run["steps"] < args.steps and time.monotonic() - t0 < args.run_limit:
-            carried_groups = len({s.group_id for s in carry})
-            fresh = [src.sample() for _ in range(max(0, groups_in_flight - carried_groups))]
             emitted: list[float] = []
             t_call = time.monotonic()
-            res = await rt.step(carry + fresh, weights(), n=n, concurrency=active, target_groups=B, partial_rollout=True,
-                                on_trajectory=lambda t: emitted.append(time.monotonic()))
+            res = await rt.step(carry, weights(), n=n, concurrency=active, target_groups=B, active=active,
+                                more_samples=feeder, partial_rollout=True, max_staleness=args.max_staleness,
+                                stale_policy="restart", on_trajectory=lambda t: emitted.append(time.monotonic()))
             m = res.metrics
-            book.add(res.weight_version)
             run["trained_tokens"] += _step_tokens(res.trajectories, n, B, "over_admission")
-            _add_hist(run["staleness_histogram"], staleness_histogram(res.trajectories, book))
+            _add_hist(run["staleness_histogram"], _hist(m))
             run["stage_seconds"] += m["wake_up_seconds"] + m["sleep_seconds"]
             if emitted:
                 run["stop_tail_s"].append(r4(m["rollout_seconds"] - (max(emitted) - t_call - m["wake_up_seconds"])))
-            carry, hit = apply_staleness_bound(res.carry_over, book, args.max_staleness, "restart", now=book.current + 1)
-            run["restarted_for_staleness"] += len(hit)
+            run["restarted_for_staleness"] += int(m.get("stale_restarted", 0))
             run["carried"].append(len(res.carry_over))
+            run["started"].append(m.get("started"))
+            carry = list(res.carry_over)
             run["steps"] += 1
 
     out = await _measured(rt, engine, body)
-    out["in_flight"] = groups_in_flight * n
+    out["in_flight"] = active
     return out
 
 
@@ -453,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_seconds": "seconds spent in wake-ups and sleeps (per_step, over_admission), in the first wake-up and "
                          "the in-flight updates (streaming), in the wake-up (bare_refill)",
         "stop_tail_s": "over_admission: rollout seconds after the last returned trajectory (aborting and carrying the rest)",
-        "in_flight": "trajectories in flight: per_step = the batch; over_admission = groups launched per step x n",
+        "in_flight": "trajectories in flight: per_step = the batch; the others = active",
         "ratios": "per tool latency: X@active_over_per_step and streaming_over_bare_refill@active, one run each, same "
                   "process and engine",
     }, measure, plot, checkpoints=True, plot_checkpoints=True)

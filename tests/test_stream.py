@@ -14,8 +14,7 @@ import pytest
 from agentloop.engine.lifecycle import EngineState
 from agentloop.runtime import Runtime
 from agentloop.runtime.stream import StreamConfig, SyncRolloutStream, rollout_stream
-from agentloop.runtime.stream_types import VersionBook, apply_staleness_bound
-from agentloop.types import Sample, Trajectory, TurnRecord
+from agentloop.types import Sample
 
 from test_scheduler_support import FakeEngine, length_reward, samples
 
@@ -157,25 +156,3 @@ def test_sync_stream_and_errors() -> None:
         StreamConfig(batch_groups=1, active=0)
     with pytest.raises(ValueError, match="stale_policy"):
         StreamConfig(batch_groups=1, active=1, stale_policy="keep")  # type: ignore[arg-type]
-
-
-def _partial(uid: str, gid: str, version: str) -> Sample:
-    t = Trajectory(uid=uid, group_id=gid, prompt_ids=[1], response_ids=[5, 6], response_mask=[1, 1],
-                   response_logprobs=[-0.1, -0.2], status="aborted",
-                   turns=[TurnRecord(start=0, length=2, weight_version=version, finish_reason={"type": "abort"})])
-    return Sample(uid=uid, messages=[], group_id=gid, resume_from=t)
-
-
-def test_carried_partials_staleness_policy_is_per_group() -> None:
-    book = VersionBook("v0")
-    book.add("v1")
-    book.add("v2")
-    carry = [_partial("a_0", "a", "v0"), _partial("a_1", "a", "v2"), _partial("b_0", "b", "v1")]
-    kept, hit = apply_staleness_bound(carry, book, 1, "restart")
-    assert [s.uid for s in hit] == ["a_0", "a_1"]  # one stale member restarts its whole group
-    assert [(s.uid, s.resume_from is None) for s in kept] == [("a_0", True), ("a_1", True), ("b_0", False)]
-    kept, hit = apply_staleness_bound(carry, book, 1, "drop")
-    assert [s.uid for s in kept] == ["b_0"]
-    assert apply_staleness_bound(carry, book, None)[0] == carry
-    with pytest.raises(ValueError, match="never served"):
-        book.first_token_age(_partial("c", "c", "v9").resume_from)  # type: ignore[arg-type]

@@ -59,7 +59,8 @@ from ..scheduler import expand_samples, with_overrides
 from ..scheduler.filters import get_group_filter
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
-from .stream_types import StreamBatch, StreamConfig, VersionBook, staleness_histogram
+from ..scheduler.staleness import VersionLog, token_staleness
+from .stream_types import StreamBatch, StreamConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class RolloutStream:
         # Each trajectory is its own scheduler run: no step-level target, filter or heap freeze there
         # (groups are assembled and filtered here, across runs).
         self._traj_cfg = self.scfg.model_copy(update={"target_groups": None, "group_filter": None, "gc_freeze": False,
-                                                      "group_budget": None})
+                                                      "group_budget": None, "active": None, "max_staleness": None})
         self._filter = get_group_filter(self.scfg.group_filter) if self.scfg.group_filter else None
         self._sync_feed: Iterator[Any] | None = None
         self._async_feed: AsyncIterator[Any] | None = None
@@ -133,7 +134,9 @@ class RolloutStream:
             self._sync_feed = iter(feeder)
         else:
             raise TypeError(f"rollout_stream: feeder must be an iterable or async iterable of samples, got {type(feeder).__name__}")
-        self.book = VersionBook()
+        #: The order of weight versions: the scheduler's log (its runs observe the served version too), so
+        #: the runtime's later steps count staleness in the same order.
+        self.versions: VersionLog = runtime.scheduler.versions
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed = anyio.Event()
         self._groups: dict[str, _Group] = {}
@@ -167,7 +170,7 @@ class RolloutStream:
         if lc.state is EngineState.DRAINING:
             log.warning("finishing the previous step's sleep (failed at stage %r) before streaming", lc.sleep_resume_at)
             await lc.sleep()
-        self.book.add(await lc.wake_up(weights))
+        self.versions.observe(await lc.wake_up(weights))
         self.t_awake = time.monotonic()
         self._tg = tg
         tg.start_soon(self._admit)
@@ -242,7 +245,7 @@ class RolloutStream:
                 self._updating = False
                 self._poke()
             self.update_seconds.append(time.monotonic() - t0)
-            self.book.add(served)
+            self.versions.observe(served)
             self.counts["updates"] += 1
             self._poke()
             return served
@@ -409,7 +412,7 @@ class RolloutStream:
             return groups
         kept = []
         for trajs in groups:
-            age = max(self.book.first_token_age(t) for t in trajs)
+            age = max(self.versions.first_token_age(t) or 0 for t in trajs)
             if age <= eta:
                 kept.append(trajs)
             elif self.config.stale_policy == "restart":
@@ -426,7 +429,7 @@ class RolloutStream:
         trajs = [t for g in groups for t in g]
         rows = training_rows(trajs)
         batch = collate(rows, pad_token_id=self.rt.pad_token_id, pad_to=self.pad_to)
-        hist = staleness_histogram(trajs, self.book)
+        hist = {int(k): v for k, v in token_staleness(self.versions, trajs)["token_staleness"].items()}
         self.batches += 1
         return StreamBatch(index=self.batches, weight_version=self.weight_version, groups=groups, trajectories=rows,
                            batch=batch, staleness=hist,
