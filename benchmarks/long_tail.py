@@ -57,10 +57,13 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 
-def group_stream(spec: WorkloadSpec, n: int, tag: str) -> Iterator[list[Sample]]:
+def group_stream(spec: WorkloadSpec, n: int, tag: str, cap: float = math.inf) -> Iterator[list[Sample]]:
     """Groups of `n` members, each member its own replay workload (lengths differ inside a group, as
     sampled answers do). Members are given with their `group_id`, so the scheduler runs each once."""
     work = make_workload(spec)
+    for turns in work:  # --tool-latency-cap (the issue-27 workload: exponential tools capped at 3 s)
+        for t in turns:
+            t["tool_latency_s"] = min(t["tool_latency_s"], cap)
     for g in range(len(work) // n):
         gid = f"{tag}-g{g}"
         yield [Sample(uid=f"{gid}_{i}", messages=[], agent="replay", group_id=gid, index_in_group=i,
@@ -72,7 +75,7 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
                    weights_sd: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """One way's steps, one per `__anext__` (the caller interleaves the two ways step by step, so a change
     in the machine's background load hits both alike)."""
-    stream = group_stream(spec, args.group_size, mode)
+    stream = group_stream(spec, args.group_size, mode, args.tool_latency_cap)
     per_step = args.target_groups if mode == "wait_all" else math.ceil(args.target_groups * args.oversample)
     carry: list[Sample] = []
     steps = []
@@ -122,7 +125,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     """Both ways; `save(out)` after each, so a run cut short still leaves its results."""
     out: dict[str, Any] = {}
     spec = workload_spec(args, trajectories=10_000 // args.group_size * args.group_size,
-                         tool_latency_mean=args.tool_latency_mean)
+                         tool_latency_mean=args.tool_latency_mean, tool_latency_dist=args.tool_latency_dist)
     first = make_workload(WorkloadSpec(**{**spec.as_dict(), "trajectories": args.target_groups * args.group_size}))
     out["workload"] = {"spec": {**spec.as_dict(), "trajectories": "stream"},
                        "first_step_wait_all": workload_stats(first)}
@@ -208,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--steps", type=int, default=6)
     add_turn_args(w, turns=2, prompt_tokens=32, gen_median=16.0, gen_sigma=0.4, traj_sigma=1.5, gen_max=512)
     w.add_argument("--tool-latency-mean", type=float, default=0.02)
+    w.add_argument("--tool-latency-dist", choices=["lognormal", "exponential", "constant"], default="lognormal")
+    w.add_argument("--tool-latency-cap", type=float, default=float("inf"), help="tool latency cap, seconds")
     w.add_argument("--tool-result-median", type=float, default=8.0)
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

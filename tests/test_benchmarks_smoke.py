@@ -163,3 +163,20 @@ def test_smoke_run_through_the_cli(long_tail_via_cli: tuple[dict, Path]) -> None
     bad = subprocess.run([sys.executable, "-m", "agentloop", "bench", "long_tail", "--no-such-flag"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
+
+
+@pytest.mark.slow
+def test_continuous_smoke(tmp_path: Path, local_engine: str) -> None:
+    r = run_smoke("continuous", tmp_path, engine_url=local_engine)
+    modes = {run["mode"] for run in r["runs"]}
+    assert modes == {"per_step", "over_admission", "streaming", "bare_refill"} and not r["skipped"]
+    for run in r["runs"]:
+        assert run["steps"] == 3 and run["complete_steps"] and run["trained_tokens"] > 0, run
+        assert 0 <= run["engine_has_work_fraction"] <= 1
+        assert sum(run["staleness_histogram"].values()) == run["trained_tokens"]
+    by = {run["mode"]: run for run in r["runs"]}
+    assert set(by["per_step"]["staleness_histogram"]) == {"0"}  # a synchronous step trains on-policy tokens only
+    assert by["streaming"]["generations_outside_awake"] == 0
+    assert max(int(k) for k in by["streaming"]["staleness_histogram"]) <= r["settings"]["max_staleness"]
+    ratios = r["summary"]["0.01s"]["ratios"]
+    assert {"streaming@6_over_per_step", "over_admission@6_over_per_step", "streaming_over_bare_refill@6"} <= set(ratios)

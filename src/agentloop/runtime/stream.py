@@ -1,0 +1,503 @@
+"""The streaming mode: the engine stays awake, `active` trajectories stay in flight, complete groups
+reach the trainer through a bounded queue, and new weights are applied in flight.
+
+For a trainer that does not need the GPU back (disaggregated, or a small trainer beside the engine):
+
+    async with rollout_stream(runtime, feeder, StreamConfig(batch_groups=8, active=256, max_staleness=1)) as s:
+        async for batch in s:                      # StreamBatch: complete, filtered groups + tensors
+            weights = train_on(batch)
+            await s.update_weights(weights)        # in flight: pause → load → continue
+
+and from synchronous code `SyncRolloutStream(runtime, feeder, config)` (the runtime's blocking portal;
+same coroutines). What happens:
+
+- **Wake-up once**: the stream takes the runtime's step lock for its whole life (no `step` runs
+  meanwhile), finishes a failed sleep if one is pending, and wakes the engines with the staged
+  wake-up; the gate opens only once that is complete, so the first generate waits for it. On close
+  every running trajectory is stopped (its partial kept on `leftover`) and the engines sleep again,
+  so the runtime's next `step` starts SLEEPING as always.
+- **Admission (the feeder)**: a prompt is drawn from `feeder` (Samples or dataset rows; an iterator
+  or an async iterator) and its `n` members start whenever fewer than `active` trajectories are in
+  flight, the queue to the trainer is not full (backpressure: a trainer that stops consuming stops
+  admission; what waits is bounded by `max_queued_batches` batches plus what was in flight), no
+  weight update is under way, and the staleness bound allows it (AReaL's rule: groups admitted ≤
+  (updates + η + 1) × batch_groups). Every trajectory runs through `Scheduler.run` (failure
+  isolation, timeouts, rewards as in a step) and every generate through the router and the gate.
+- **Groups**: a group is complete when all its members finished; one with a failed member is
+  dropped (counted), the group filter (`group_filter`) rejects or accepts it, and accepted groups
+  are batched `batch_groups` at a time. When the trainer takes a batch, a group whose oldest first
+  token is more than η versions behind the served version is dropped or restarted
+  (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
+- **Weights in flight** (`update_weights`): generation is paused with SGLang's `abort` mode, the
+  weights are loaded through the lifecycle (the same payloads as a staged wake-up's load), and
+  generation continues. Requests running at the pause return with the tokens sampled so far
+  (recorded as a turn of the old version); their trajectories are resumed at once as partial
+  rollouts, so the rest of the turn is a new request sampled by the new weights: every token's
+  recorded version is the version that sampled it. A request arriving while paused is held by the
+  engine and runs under the new weights. Why not `in_place` or `retract`: SGLang reports one
+  `weight_version` per response, so a request that spans the update would label the tokens sampled
+  before it with the new version (and `in_place` would also continue on the old weights' KV). The
+  cost of `abort` is one re-prefill per interrupted request (the load flushes the prefix cache, so
+  its KV is recomputed under the new weights, which is `retract`'s KV semantics). See
+  docs/trainers.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+
+import anyio
+import anyio.abc
+
+from ..batch import collate
+from ..engine.lifecycle import EngineState, Lifecycle, Weights
+from ..scheduler import expand_samples, with_overrides
+from ..scheduler.filters import get_group_filter
+from ..types import FINISHED_OK, Sample, Trajectory, training_rows
+from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from ..scheduler.staleness import VersionLog, token_staleness
+from .stream_types import StreamBatch, StreamConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", "rollout_stream", "update_in_flight"]
+
+#: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
+#: being resumed again: an engine that aborts everything must not loop a trajectory forever.
+MAX_RESUMES = 100
+
+
+async def update_in_flight(lc: Lifecycle, weights: Weights) -> str | None:
+    """Load `weights` into AWAKE engines without a sleep: pause generation (`abort` mode: running
+    requests return with what they sampled), load through the lifecycle, continue. Returns the version
+    served. Continue is sent even when the load fails (a paused engine would hold every request)."""
+    if lc.state is not EngineState.AWAKE:
+        raise RuntimeError(f"update_in_flight needs AWAKE engines; the lifecycle is {lc.state.value}")
+    clients = lc.gate.clients
+    async with anyio.create_task_group() as tg:
+        for c in clients:
+            tg.start_soon(c.pause_generation, "abort")
+    try:
+        # While AWAKE, `wake_up` with new weights loads them in place (the staged path's load stage,
+        # same payloads and marks) and opens the gates with the new version.
+        return await lc.wake_up(weights)
+    finally:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for c in clients:
+                    tg.start_soon(c.continue_generation)
+
+
+class _Group:
+    """One prompt's members while they run."""
+
+    def __init__(self, sample: Sample, members: list[Sample]) -> None:
+        self.sample = sample
+        self.members = members
+        self.results: dict[int, Trajectory] = {}
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.members)
+
+    def trajectories(self) -> list[Trajectory]:
+        return [self.results[i] for i in range(len(self.members))]
+
+
+class RolloutStream:
+    """A running stream (see the module docstring); made by `rollout_stream`."""
+
+    def __init__(self, runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any], config: StreamConfig, *,
+                 pad_to: tuple[int | None, int | None] | None = None, overrides: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(config, StreamConfig):
+            raise TypeError(f"rollout_stream: config must be a StreamConfig, got {type(config).__name__}")
+        self.rt = runtime
+        self.config = config
+        self.pad_to = check_pad_to(pad_to)
+        self.scfg = with_overrides(runtime.config.scheduler, dict(overrides or {}))
+        if runtime.reward_fn is None:
+            check_reward_name(self.scfg.reward)
+        # Each trajectory is its own scheduler run: no step-level target, filter or heap freeze there
+        # (groups are assembled and filtered here, across runs).
+        self._traj_cfg = self.scfg.model_copy(update={"target_groups": None, "group_filter": None, "gc_freeze": False,
+                                                      "group_budget": None, "active": None, "max_staleness": None})
+        self._filter = get_group_filter(self.scfg.group_filter) if self.scfg.group_filter else None
+        self._sync_feed: Iterator[Any] | None = None
+        self._async_feed: AsyncIterator[Any] | None = None
+        if isinstance(feeder, AsyncIterable):
+            self._async_feed = feeder.__aiter__()
+        elif isinstance(feeder, Iterable):
+            self._sync_feed = iter(feeder)
+        else:
+            raise TypeError(f"rollout_stream: feeder must be an iterable or async iterable of samples, got {type(feeder).__name__}")
+        #: The order of weight versions: the scheduler's log (its runs observe the served version too), so
+        #: the runtime's later steps count staleness in the same order.
+        self.versions: VersionLog = runtime.scheduler.versions
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._changed = anyio.Event()
+        self._groups: dict[str, _Group] = {}
+        self._originals: dict[str, Sample] = {}  # every admitted prompt by uid (uids are unique across the stream)
+        self._ready: list[list[Trajectory]] = []  # accepted groups not yet batched
+        self._restart: list[Sample] = []  # prompts to admit again (stale_policy "restart")
+        self._send, self._receive = anyio.create_memory_object_stream[list[list[Trajectory]]](config.max_queued_batches)
+        self._sending = False  # the batcher holds a full batch the queue has no room for
+        self._update_lock = anyio.Lock()
+        self._updating = False
+        self._closing = False
+        self._exhausted = False
+        self._error: Exception | None = None  # why admission stopped, if the feeder failed
+        self.in_flight = 0
+        self.batches = 0
+        #: Samples of trajectories still unfinished when the stream closed (partials on `resume_from`):
+        #: pass them to a later `step` or stream to continue them.
+        self.leftover: list[Sample] = []
+        #: Complete, accepted groups the trainer had not taken when the stream closed (nothing is lost).
+        self.unconsumed: list[list[Trajectory]] = []
+        self.counts: dict[str, int] = dict.fromkeys((
+            "groups_admitted", "groups_accepted", "groups_rejected", "groups_failed", "groups_dropped_stale",
+            "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
+        self.update_seconds: list[float] = []
+        self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
+        self.t_awake: float | None = None
+
+    # ------------------------------------------------------------------ life
+    async def _open(self, weights: Any, tg: anyio.abc.TaskGroup) -> None:
+        lc: Lifecycle = self.rt.lifecycle
+        if lc.state is EngineState.DRAINING:
+            log.warning("finishing the previous step's sleep (failed at stage %r) before streaming", lc.sleep_resume_at)
+            await lc.sleep()
+        self.versions.observe(await lc.wake_up(weights))
+        self.t_awake = time.monotonic()
+        self._tg = tg
+        tg.start_soon(self._admit)
+        tg.start_soon(self._batcher)
+        tg.start_soon(lc.keep_lease)
+
+    async def _close(self) -> None:
+        """Stop admitting, stop every running trajectory (kept on `leftover`), put the engines to sleep."""
+        self._closing = True
+        self._poke()
+        sched = self.rt.scheduler
+        if sched is not None:
+            sched.stop("rollout stream closed")
+        with anyio.move_on_after(self.scfg.abort_grace + 5):
+            while self.in_flight > 0:
+                await self._wait_change()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    def _collect_unconsumed(self) -> None:
+        """After the tasks ended: the groups still queued or waiting to be batched go to `unconsumed`."""
+        while True:
+            try:
+                self.unconsumed.extend(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self.unconsumed.extend(self._ready)
+        self._ready = []
+        # Finished members of groups still incomplete go with their unfinished mates, as a step's carry-over
+        # does: a later step runs only the unfinished ones and completes the group.
+        for group in self._groups.values():
+            for i, traj in sorted(group.results.items()):
+                self.leftover.append(dataclasses.replace(group.members[i], resume_from=traj))
+        self._groups = {}
+
+    # ------------------------------------------------------------------ the trainer's side
+    def __aiter__(self) -> "RolloutStream":
+        return self
+
+    async def __anext__(self) -> StreamBatch:
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                groups = await self._receive.receive()
+            except anyio.EndOfStream:
+                if self._error is not None:
+                    raise self._error from None
+                raise StopAsyncIteration from None
+            self._poke()  # room in the queue: admission may go on
+            groups = self._bound_staleness(groups)
+            if groups:
+                return self._make_batch(groups)
+
+    async def update_weights(self, weights: Any, version: str | None = None) -> str | None:
+        """Apply new weights in flight (see the module docstring); returns the version now served.
+        Without a `version` (and none on a `Weights`), one is made up (`stream-<k>`), so that a state
+        dict the trainer updates in place is still loaded."""
+        w = Weights.coerce(weights)
+        if w is None:
+            raise ValueError("update_weights needs weights (a state dict, a path or Weights), got None")
+        if version is not None:
+            w = dataclasses.replace(w, version=version)
+        elif w.version is None:
+            w = dataclasses.replace(w, version=f"stream-{self.counts['updates'] + 1}")
+        async with self._update_lock:
+            self._updating = True
+            t0 = time.monotonic()
+            try:
+                served = await update_in_flight(self.rt.lifecycle, w)
+            finally:
+                self._updating = False
+                self._poke()
+            self.update_seconds.append(time.monotonic() - t0)
+            self.versions.observe(served)
+            self.counts["updates"] += 1
+            self._poke()
+            return served
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.rt.lifecycle.weight_version
+
+    @property
+    def buffered_groups(self) -> int:
+        """Complete groups waiting for the trainer: not yet batched, in a batch the queue has no room
+        for, or in the queue."""
+        queued = self._send.statistics().current_buffer_used + (1 if self._sending else 0)
+        return len(self._ready) + queued * self.config.batch_groups
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return {**self.counts, "in_flight": self.in_flight, "batches": self.batches,
+                "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
+                "update_seconds": list(self.update_seconds), "weight_version": self.weight_version,
+                "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
+
+    # ------------------------------------------------------------------ admission
+    def _poke(self) -> None:
+        self._changed.set()
+
+    async def _wait_change(self) -> None:
+        if self._changed.is_set():
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    def _admissible(self, n: int) -> bool:
+        c = self.config
+        if self._closing or self._updating:
+            return False
+        if self.in_flight + n > c.active and self.in_flight > 0:
+            return False
+        if self.buffered_groups >= c.max_queued_batches * c.batch_groups:
+            return False  # backpressure: the trainer is not taking batches
+        if c.max_staleness is not None:
+            # AReaL: capacity grows with the updates the trainer has applied.
+            if self.counts["groups_admitted"] >= (self.counts["updates"] + c.max_staleness + 1) * c.batch_groups:
+                return False
+        return True
+
+    async def _admit(self) -> None:
+        try:
+            await self._admit_loop()
+        except (TypeError, ValueError) as e:  # a bad prompt from the feeder: the trainer hears it at its next batch
+            log.error("rollout stream: %s", e)
+            self._error = e
+            self._poke()
+
+    async def _admit_loop(self) -> None:
+        n = self.scfg.n
+        while True:
+            # After the feeder ran out, only restarted prompts (stale_policy "restart") are admitted.
+            while not self._admissible(n) or (self._exhausted and not self._restart):
+                await self._wait_change()
+            sample = self._restart.pop(0) if self._restart else await self._next_sample()
+            if sample is None:
+                self._exhausted = True
+                self._poke()
+                continue
+            if sample.uid in self._originals:
+                raise ValueError(f"rollout_stream: the feeder gave prompt uid {sample.uid!r} twice (uids must be unique)")
+            self._originals[sample.uid] = sample
+            members = expand_samples([sample], n)
+            group = _Group(sample, members)
+            self._groups[sample.uid] = group
+            self.counts["groups_admitted"] += 1
+            self.in_flight += len(members)
+            assert self._tg is not None
+            for i, m in enumerate(members):
+                self._tg.start_soon(self._run_member, group, i, m)
+
+    async def _next_sample(self) -> Sample | None:
+        try:
+            row = next(self._sync_feed) if self._sync_feed is not None else await self._async_feed.__anext__()  # type: ignore[union-attr]
+        except (StopIteration, StopAsyncIteration):
+            return None
+        sample = rows_to_samples([row], self.rt._row_numbers, trainer_reward=self.rt.reward_fn is not None)[0]
+        if sample.group_id or sample.resume_from is not None:
+            raise ValueError(f"rollout_stream: the feeder gave {sample.uid!r} with a group_id or resume_from; "
+                             "it takes fresh prompts only")
+        return sample
+
+    # ------------------------------------------------------------------ one trajectory
+    async def _run_member(self, group: _Group, i: int, job: Sample) -> None:
+        traj: Trajectory | None = None
+        try:
+            for _ in range(MAX_RESUMES + 1):
+                if self._closing:
+                    self.leftover.append(job)
+                    return
+                res = await self.rt.scheduler.run([job], config=self._traj_cfg)
+                if res.trajectories:
+                    traj = res.trajectories[0]
+                    break
+                if not res.carry_over:  # cannot happen without a filter; say so rather than lose it
+                    raise RuntimeError(f"scheduler returned nothing for {job.uid}")
+                job = res.carry_over[0]  # interrupted (an update's pause, a stop): resume at once
+                if not self._closing:
+                    self.counts["trajectories_resumed"] += 1
+            else:
+                prev = job.resume_from
+                traj = prev if prev is not None else Trajectory(uid=job.uid, group_id=job.group_id, prompt_ids=[])
+                traj.status, traj.error = "failed", f"interrupted {MAX_RESUMES} times in a row"
+        finally:
+            self.in_flight -= 1
+            self._poke()
+        group.results[i] = traj
+        self.counts["trajectories_finished"] += 1
+        if group.complete:
+            self._group_done(group)
+
+    def _group_done(self, group: _Group) -> None:
+        del self._groups[group.sample.uid]
+        trajs = group.trajectories()
+        if any(t.status not in FINISHED_OK for t in trajs):
+            self.counts["groups_failed"] += 1
+            log.info("group %s dropped: a member failed (%s)", group.sample.uid,
+                     next(t.error for t in trajs if t.status not in FINISHED_OK))
+        elif self._filter is not None and not self._accepts(trajs):
+            self.counts["groups_rejected"] += 1
+        else:
+            self.counts["groups_accepted"] += 1
+            self._ready.append(trajs)
+            self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
+        self._poke()
+
+    def _accepts(self, trajs: list[Trajectory]) -> bool:
+        try:
+            return bool(self._filter(trajs))  # type: ignore[misc]
+        except Exception as e:  # the filter's fault must not lose the data
+            log.error("group filter %r failed on group %s (group kept): %s", self.scfg.group_filter, trajs[0].group_id, e)
+            return True
+
+    # ------------------------------------------------------------------ batches
+    async def _batcher(self) -> None:
+        B = self.config.batch_groups
+        with self._send:
+            while True:
+                while len(self._ready) < B and not (self._done and self._ready):
+                    if self._done or self._error is not None:
+                        return
+                    await self._wait_change()
+                groups, self._ready = self._ready[:B], self._ready[B:]
+                self._sending = True
+                try:
+                    await self._send.send(groups)  # blocks while the queue is full: backpressure
+                finally:
+                    self._sending = False
+                    self._poke()
+
+    @property
+    def _done(self) -> bool:
+        """Nothing more will come: the feeder ran out (or the stream closes) and nothing is in flight."""
+        return (self._exhausted or self._closing) and self.in_flight == 0 and not self._restart
+
+    def _bound_staleness(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        eta = self.config.max_staleness
+        if eta is None:
+            return groups
+        kept = []
+        for trajs in groups:
+            age = max(self.versions.first_token_age(t) or 0 for t in trajs)
+            if age <= eta:
+                kept.append(trajs)
+            elif self.config.stale_policy == "restart":
+                self.counts["groups_restarted_stale"] += 1
+                gid = trajs[0].group_id
+                # the same prompt under a new uid, admitted before any fresh one
+                self._restart.append(dataclasses.replace(self._originals[gid], uid=f"{gid}.r{self.counts['groups_restarted_stale']}"))
+                self._poke()
+            else:
+                self.counts["groups_dropped_stale"] += 1
+        return kept
+
+    def _make_batch(self, groups: list[list[Trajectory]]) -> StreamBatch:
+        trajs = [t for g in groups for t in g]
+        rows = training_rows(trajs)
+        batch = collate(rows, pad_token_id=self.rt.pad_token_id, pad_to=self.pad_to)
+        hist = {int(k): v for k, v in token_staleness(self.versions, trajs)["token_staleness"].items()}
+        self.batches += 1
+        return StreamBatch(index=self.batches, weight_version=self.weight_version, groups=groups, trajectories=rows,
+                           batch=batch, staleness=hist,
+                           metrics={"groups": len(groups), "trained_tokens": sum(hist.values()),
+                                    "in_flight": self.in_flight, "buffered_groups": self.buffered_groups})
+
+
+@contextlib.asynccontextmanager
+async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any], config: StreamConfig, *,
+                         weights: Any = None, pad_to: tuple[int | None, int | None] | None = None,
+                         **overrides: Any) -> AsyncIterator[RolloutStream]:
+    """Run a `RolloutStream` over `runtime`'s engines until the block ends (see the module docstring).
+    `weights` are loaded by the first (staged) wake-up; `overrides` replace scheduler settings (`n=4`,
+    `group_filter=...`) as in `Runtime.step`."""
+    if not runtime.started:
+        await runtime.start()
+    stream = RolloutStream(runtime, feeder, config, pad_to=pad_to, overrides=overrides)
+    async with runtime._step_lock:  # no step runs while the stream holds the engines awake
+        try:
+            async with anyio.create_task_group() as tg:
+                await stream._open(weights, tg)
+                try:
+                    yield stream
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await stream._close()
+            stream._collect_unconsumed()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runtime.lifecycle.sleep()
+
+
+class SyncRolloutStream:
+    """`rollout_stream` from synchronous code, through the runtime's blocking portal (same coroutines):
+
+        with SyncRolloutStream(runtime, feeder, StreamConfig(batch_groups=8, active=64)) as s:
+            for batch in s:
+                s.update_weights(train_on(batch))
+    """
+
+    def __init__(self, runtime: Any, feeder: Iterable[Any], config: StreamConfig, **kwargs: Any) -> None:
+        self._portal = runtime._blocking_portal()
+        self._cm = self._portal.wrap_async_context_manager(rollout_stream(runtime, feeder, config, **kwargs))
+        self.stream: RolloutStream = self._cm.__enter__()
+
+    def __iter__(self) -> "SyncRolloutStream":
+        return self
+
+    def __next__(self) -> StreamBatch:
+        try:
+            return self._portal.call(self.stream.__anext__)
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def update_weights(self, weights: Any, version: str | None = None) -> str | None:
+        return self._portal.call(self.stream.update_weights, weights, version)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.stream.metrics
+
+    def close(self) -> None:
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+    def __enter__(self) -> "SyncRolloutStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""What the streaming mode hands a trainer (`StreamBatch`) and how it is tuned (`StreamConfig`).
+
+Staleness of a token = how many weight updates lie between the weights that sampled it and the
+weights served when the trainer takes it (0 = on-policy); the versions' order is the scheduler's
+`VersionLog` (`agentloop.scheduler.staleness`), shared with the runtime's steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..batch import RolloutBatch
+from ..types import Trajectory
+
+__all__ = ["StalePolicy", "StreamBatch", "StreamConfig"]
+
+StalePolicy = Literal["drop", "restart"]
+
+
+@dataclass
+class StreamConfig:
+    """How a `RolloutStream` runs (see `agentloop.runtime.stream`).
+
+    - `batch_groups`: complete, accepted groups per `StreamBatch`.
+    - `active`: trajectories kept in flight (the engine's fill; ≫ a batch, like the steady state of a
+      bare client that refills a finished trajectory's slot at once).
+    - `max_queued_batches`: the bound of the queue to the trainer; once that many batches (complete
+      groups included that are not yet batched) wait, nothing new is admitted (backpressure).
+    - `max_staleness` (AReaL's η): a group is admitted only while groups admitted so far ≤
+      (updates applied + η + 1) × batch_groups, and a complete group whose oldest first token is more
+      than η versions behind the served version when it is handed out is handled by `stale_policy`.
+      None: no bound (only `active` and the queue limit admission).
+    - `stale_policy`: "drop" (the group is discarded and counted) or "restart" (its prompt is
+      admitted again from scratch, counted). Dropping biases the batches against long trajectories;
+      restarting costs their compute again. Both are counted in `RolloutStream.metrics`.
+    """
+
+    batch_groups: int
+    active: int
+    max_queued_batches: int = 2
+    max_staleness: int | None = None
+    stale_policy: StalePolicy = "drop"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_groups, int) or self.batch_groups < 1:
+            raise ValueError(f"StreamConfig.batch_groups must be an int >= 1, got {self.batch_groups!r}")
+        if not isinstance(self.active, int) or self.active < 1:
+            raise ValueError(f"StreamConfig.active must be an int >= 1, got {self.active!r}")
+        if not isinstance(self.max_queued_batches, int) or self.max_queued_batches < 1:
+            raise ValueError(f"StreamConfig.max_queued_batches must be an int >= 1, got {self.max_queued_batches!r}")
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            raise ValueError(f"StreamConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
+        if self.stale_policy not in ("drop", "restart"):
+            raise ValueError(f"StreamConfig.stale_policy must be 'drop' or 'restart', got {self.stale_policy!r}")
+
+
+@dataclass
+class StreamBatch:
+    """Complete groups handed to the trainer. `trajectories` are training rows (a split trajectory is
+    one row per segment), `batch` their padded tensors with per-token weight versions. `weight_version`
+    is the version served when the batch was handed out; `staleness` maps versions behind it → mask-1
+    tokens (the staleness histogram of this batch's trained tokens)."""
+
+    index: int
+    weight_version: str | None
+    groups: list[list[Trajectory]]
+    trajectories: list[Trajectory]
+    batch: RolloutBatch
+    staleness: dict[int, int] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,158 @@
+"""The streaming mode (`agentloop.runtime.stream`) over an in-process engine double: admission keeps
+`active` trajectories in flight, the queue to the trainer applies backpressure, the staleness bound
+(AReaL's η) holds for every trained token, and no trajectory is lost or duplicated across updates.
+The CPU-engine runs (exact per-token versions across 20 in-flight updates) are in test_stream_engine.py."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import anyio
+import pytest
+
+from agentloop.engine.lifecycle import EngineState
+from agentloop.runtime import Runtime
+from agentloop.runtime.stream import StreamConfig, SyncRolloutStream, rollout_stream
+from agentloop.types import Sample
+
+from test_scheduler_support import FakeEngine, length_reward, samples
+
+pytestmark = pytest.mark.anyio
+TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=2)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def runtime(eng: FakeEngine, **sched: Any) -> Runtime:
+    return Runtime({"scheduler": {"n": 2, **sched}}, clients=[eng], tokenizer=TOK, tools=object(), reward_fn=length_reward)
+
+
+def feed(n: int, **extra: Any) -> list[Sample]:
+    return samples(n, turns=3, tokens=4, tool_delay=0.005, **extra)
+
+
+async def test_stream_keeps_active_in_flight_and_loses_nothing_across_updates() -> None:
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    seen: list[str] = []
+    async with rt:
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        async with rollout_stream(rt, feed(40), StreamConfig(batch_groups=2, active=8)) as s:
+            assert rt.lifecycle.state is EngineState.AWAKE  # woken once, in stages
+            async for batch in s:
+                assert len(batch.groups) == 2 and all(len(g) == 2 for g in batch.groups)
+                assert batch.batch["response_mask"].sum().item() == sum(batch.staleness.values())
+                seen += [t.uid for t in batch.trajectories]
+                assert all(t.status == "completed" and t.num_turns == 3 for t in batch.trajectories)
+                if batch.index <= 15:
+                    await s.update_weights({"w": batch.index})
+            m = s.metrics
+        assert rt.lifecycle.state is EngineState.SLEEPING  # slept again on close
+        res = await rt.step(feed(1))  # a step after the stream: wakes from SLEEPING as always
+        assert res.trajectories[0].status == "completed"
+    assert sorted(seen) == sorted(f"p{i}_{k}" for i in range(40) for k in range(2))  # none lost, none twice
+    assert m["updates"] == 15 and m["groups_accepted"] == 40 and m["batches"] == 20
+    assert m["generations_outside_awake"] == 0
+    assert m["trajectories_resumed"] > 0  # updates interrupted running requests, which were resumed
+    assert eng.max_in_flight <= 8
+
+
+async def test_trainer_that_stops_consuming_stops_admission() -> None:
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    async with rt:
+        async with rollout_stream(rt, feed(1000), StreamConfig(batch_groups=2, active=8, max_queued_batches=2)) as s:
+            first = await s.__anext__()
+            assert first.index == 1
+            await anyio.sleep(1.0)  # the trainer does not come back for a while
+            admitted = s.counts["groups_admitted"]
+            await anyio.sleep(0.5)
+            assert s.counts["groups_admitted"] == admitted  # admission stopped
+            assert s.in_flight == 0
+            # bounded: the queue's batches + the groups completing after the bound was reached
+            assert s.buffered_groups <= 2 * 2 + 8 // 2
+            assert admitted <= 2 + 2 * 2 + 8 // 2 + 1
+            with anyio.fail_after(10):  # the trainer consumes again: admission resumes once the queue has room
+                while s.counts["groups_admitted"] == admitted:
+                    await s.__anext__()
+                    await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("eta,policy", [(0, "drop"), (1, "drop"), (1, "restart")])
+async def test_staleness_bound_holds_for_every_trained_token(eta: int, policy: str) -> None:
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    async with rt:
+        cfg = StreamConfig(batch_groups=2, active=8, max_staleness=eta, stale_policy=policy)  # type: ignore[arg-type]
+        prompts = feed(60)
+        prompts[0].extra["turns"] = 10  # one long group: it finishes versions after it started
+        async with rollout_stream(rt, prompts, cfg) as s:
+            hist: dict[int, int] = {}
+            consumed = 0
+            async for batch in s:
+                consumed += len(batch.groups)
+                assert max(batch.staleness) <= eta, batch.staleness
+                for k, v in batch.staleness.items():
+                    hist[k] = hist.get(k, 0) + v
+                # AReaL's admission rule, at every point the trainer sees
+                assert s.counts["groups_admitted"] <= (s.counts["updates"] + eta + 1) * 2
+                if batch.index >= 12:
+                    break
+                await s.update_weights({"w": batch.index})
+            m = s.metrics
+            # every accepted group was trained, handled by the policy, or still waits for the trainer
+            stale = m["groups_dropped_stale"] + m["groups_restarted_stale"]
+            assert m["groups_accepted"] == consumed + stale + s.buffered_groups
+    assert hist and max(hist) <= eta
+    if eta == 1:
+        assert hist.get(1, 0) > 0  # tokens one version old were trained, as the bound allows
+    if eta == 0:
+        assert set(hist) == {0}  # η = 0 admits one batch per version: synchronous, nothing stale
+    else:
+        assert stale > 0  # the long group was more than η versions old when handed out: the policy took it
+        assert m["groups_restarted_stale" if policy == "restart" else "groups_dropped_stale"] == stale
+
+
+async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    async with rt:
+        consumed: list[str] = []
+        async with rollout_stream(rt, feed(50), StreamConfig(batch_groups=2, active=8)) as s:
+            async for batch in s:
+                consumed += [t.uid for t in batch.trajectories]
+                await s.update_weights({"w": batch.index})
+                if batch.index == 3:
+                    break  # the trainer stops with trajectories in flight and groups queued
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        unconsumed = [t.uid for g in s.unconsumed for t in g]
+        leftover = [x.uid for x in s.leftover]
+        admitted = s.counts["groups_admitted"]
+        every = consumed + unconsumed + leftover
+        assert sorted(every) == sorted(f"p{i}_{k}" for i in range(admitted) for k in range(2))  # each exactly once
+        assert leftover and any(x.resume_from is not None and x.resume_from.status == "aborted" for x in s.leftover)
+        res = await rt.step(s.leftover)  # the partials go on in a later step, which completes their groups
+        assert all(t.status == "completed" for t in res.trajectories)
+
+
+def test_sync_stream_and_errors() -> None:
+    eng = FakeEngine("http://a")
+    rt = runtime(eng)
+    with rt:
+        with SyncRolloutStream(rt, feed(6), StreamConfig(batch_groups=3, active=4)) as s:
+            batches = list(s)
+            assert s.metrics["batches"] == 2
+        assert [len(b.groups) for b in batches] == [3, 3]
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        with pytest.raises(ValueError, match="twice"):
+            with SyncRolloutStream(rt, feed(2) + feed(1), StreamConfig(batch_groups=1, active=4)) as s:
+                list(s)
+        assert rt.lifecycle.state is EngineState.SLEEPING
+    with pytest.raises(ValueError, match="active"):
+        StreamConfig(batch_groups=1, active=0)
+    with pytest.raises(ValueError, match="stale_policy"):
+        StreamConfig(batch_groups=1, active=1, stale_policy="keep")  # type: ignore[arg-type]
