@@ -88,6 +88,7 @@ class Scheduler:
         reward_fn: RewardFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         hung_timeout: float | None = None,
+        agents: Callable[[str], AgentLoop] | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -103,12 +104,15 @@ class Scheduler:
         #: The step watchdog: a server with requests in flight that answers none for this long is hung
         #: and taken out (its requests retried elsewhere). None: no watchdog.
         self.hung_timeout = hung_timeout
+        #: How an agent name becomes a loop (one instance per name); default: the agent registry. Ray's
+        #: driver passes one whose loops run the trajectory on a worker.
+        self._make_agent = agents or get_agent
         self._agents: dict[str, AgentLoop] = {}
         self._runs: list[_ScheduleRun] = []
 
     def _agent(self, name: str) -> AgentLoop:
         if name not in self._agents:
-            self._agents[name] = get_agent(name)
+            self._agents[name] = self._make_agent(name)
         return self._agents[name]
 
     async def run(
