@@ -2,7 +2,8 @@
 
 An agent loop never sees an engine: it gets `AgentContext.generate`, a callable the scheduler binds to
 one trajectory (routed sticky to one server, and through the lifecycle gate). Tools are built once
-per worker and shared through the context. Loops register by name and are picked per sample.
+per worker and shared through the context. Loops register by name (`agents.registry`) and are picked
+per sample.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class AgentContext:
 
 
 class AgentLoop(ABC):
-    """Subclass, set `name`, implement `run`. Register with `@register_agent`."""
+    """Subclass, set `name`, implement `run`. Register with `@register_agent` (`agents.registry`)."""
 
     name: ClassVar[str] = ""
 
@@ -175,30 +176,3 @@ class AgentLoop(ABC):
     async def aclose(self) -> None:
         """Release what the loop holds across trajectories (e.g. the `openai` loop's server); the
         scheduler calls it when the runtime stops. Default: nothing to release."""
-
-
-_REGISTRY: dict[str, type[AgentLoop]] = {}
-
-
-def register_agent(cls: type[AgentLoop]) -> type[AgentLoop]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def get_agent(name: str) -> AgentLoop:
-    from . import load_builtin_agents  # noqa: F401  (registers the built-in loops)
-
-    load_builtin_agents()
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise KeyError(f"unknown agent loop {name!r}; registered: {sorted(_REGISTRY)}") from None
-
-
-def registered_agents() -> list[str]:
-    from . import load_builtin_agents
-
-    load_builtin_agents()
-    return sorted(_REGISTRY)

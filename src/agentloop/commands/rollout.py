@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_data(cfg: RolloutConfig) -> Dataset:
-    from ..agents.base import registered_agents
+    from ..agents.registry import registered_agents
     from ..rewards import registered_rewards
 
     if cfg.data is None:

@@ -29,8 +29,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .settings import RuntimeConfig
-from .yaml_strict import mark_where
-from .yaml_strict import safe_load as strict_yaml_load
+from ..yaml_strict import mark_where
+from ..yaml_strict import safe_load as strict_yaml_load
 
 #: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise (and
 #: `agentloop config --show` marks as the command's, next to the library's default).

@@ -222,7 +222,7 @@ class SchedulerConfig(_Strict):
     @classmethod
     def _known_group_filter(cls, v: str | None) -> str | None:
         if v is not None:
-            from ..scheduler.filters import get_group_filter
+            from ..group_filters import get_group_filter
 
             get_group_filter(v)  # raises naming the registered filters
         return v

@@ -54,11 +54,12 @@ import anyio
 import anyio.abc
 
 from .. import rewards
-from ..agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
+from ..agents.base import AgentConfig, AgentContext, AgentLoop
+from ..agents.registry import get_agent
 from ..config.settings import SchedulerConfig
 from ..engine.router import RouteSession, Router
 from .gc_scope import frozen_heap
-from .filters import GroupFilter, get_group_filter
+from ..group_filters import GroupFilter, get_group_filter
 from .groups import _Group, expand_samples
 from .result import ResultMixin, ScheduleResult
 from .watch import WatchMixin

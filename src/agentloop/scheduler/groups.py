@@ -18,7 +18,7 @@ import anyio.abc
 
 from ..config.settings import SchedulerConfig
 from ..engine.router import RouteSession
-from .filters import GroupFilter
+from ..group_filters import GroupFilter
 from ..types import FINISHED_OK, Sample, Trajectory
 
 log = logging.getLogger("agentloop.scheduler")

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from ..config.yaml_strict import mark_where
-from ..config.yaml_strict import safe_load as strict_yaml_load
+from ..yaml_strict import mark_where
+from ..yaml_strict import safe_load as strict_yaml_load
 from .base import Tool, ToolLike, first_line, function_of
 
 __all__ = ["ToolConfigError", "build_entry", "config_entries", "entry_line", "load_tool_class", "read_yaml"]
