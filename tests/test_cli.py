@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from agentloop.cli import build_parser, main
-from agentloop.commands.rollout import step_prompts
+from agentloop.commands.rollout_prompts import step_prompts
 from agentloop.output.progress import RolloutProgress
 from agentloop.config.rollout import ConfigError, RolloutConfig, defaults_yaml, load_config
 from agentloop.types import Sample

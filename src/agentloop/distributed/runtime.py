@@ -1,10 +1,13 @@
 """`RayRuntime`: the same `Runtime` (same `step`, same `StepResult`), with its work spread over Ray.
 
-This module owns the driver side of Ray mode. `RayRuntime` subclasses `Runtime` and inherits its one
-step sequence (staged wake-up → roll out → collate → sleep); only *where* things run changes:
+This module owns the driver side of Ray mode. `RayRuntime` is `Runtime` (its one step sequence: staged
+wake-up → roll out → collate → sleep) given two strategies; only *where* things run changes:
 
-- **Engines** are `EngineServer` actors (`engines.py`): CPU engines for the embedded mode, SGLang
-  servers on a placement group for `engine.launch`; `engine.urls` attaches to running servers.
+- **Engines** (`engines.ray_engine_backend`) are `EngineServer` actors (`RayFleetEngines`): CPU engines
+  for the embedded mode, SGLang servers on a placement group for `engine.launch`; `engine.urls`
+  attaches to running servers.
+- **Agent loops** (`RayRollout`): joins or starts Ray before any engine actor, then starts the
+  `WorkerPool` once the engines sleep, and puts the driver's router and `RayScheduler` over it.
 - **One lifecycle over all engines, in the driver**: the `Lifecycle` that `Runtime.start` builds (no
   subclass). The `WorkerPool` is added to it as one more `GateControl`, so every transition moves every
   worker's gate too: `wake_up` opens the workers' gates only after the last stage finished on every
@@ -12,7 +15,7 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
   its settle stage waits for the workers' aborted requests too. So a worker can only dispatch while
   the driver's lifecycle is AWAKE; on top of that the driver hands out trajectories only inside
   `step` after `wake_up` returned.
-- **The driver's scheduler is the ordinary `Scheduler`** (GRPO groups, over-sampling and early stop,
+- **The driver's scheduler is the ordinary `Scheduler`**, one per step (`RayScheduler`) (GRPO groups, over-sampling and early stop,
   carry-over, results in input order, metrics), whose agent loop is a `RemoteAgent`: it binds the
   trajectory to a server with the driver's `Router` (least-loaded over every worker's trajectories,
   sticky for the trajectory's life: this router *is* the global load balancer) and has the
@@ -38,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-import anyio
 import ray
 from ray import cloudpickle
 
@@ -57,7 +59,7 @@ from .pool import PoolEvents, WorkerPool, default_capacity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayConfig", "RayRollout", "RayRuntime", "RayScheduler", "RemoteAgent", "RemoteStep"]
+__all__ = ["RayRollout", "RayRuntime", "RayScheduler", "RemoteAgent", "RemoteStep"]
 
 
 async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float | None = None) -> float | None:
