@@ -131,3 +131,25 @@ async def test_stream_yields_trajectories_as_they_finish_then_the_result() -> No
             assert sorted(got) == sorted(t.uid for t in s.result.trajectories)
             assert set(got[-2:]) == {"p0_0", "p0_1"}  # in finishing order, not input order
             assert rt.lifecycle.state is EngineState.SLEEPING
+
+
+def test_embedded_engine_settings_are_typed_fields() -> None:
+    """`engine.local` holds the embedded CPU engines' settings as typed fields, passed to each
+    `agentloop serve` as its flags (only the ones set); the older string list `local_args` is refused."""
+    from agentloop.config import LocalServerConfig
+
+    assert LocalServerConfig().serve_args() == []  # nothing set: serve's own defaults
+    cfg = RuntimeConfig.model_validate({"engine": {"local": {"num_threads": 2, "context_length": 64, "log_level": "warning",
+                                                             "return_original_logprob": True, "seed": 0}}})
+    assert cfg.engine.local.serve_args() == ["--num-threads", "2", "--context-length", "64", "--seed", "0",
+                                             "--return-original-logprob", "--log-level", "warning"]
+    with pytest.raises(ValidationError, match=r"engine.local.num_threads\n  Input should be greater than or equal to 0"):
+        RuntimeConfig.model_validate({"engine": {"local": {"num_threads": -1}}})
+    with pytest.raises(ValidationError, match=r"engine.local_args\n  Extra inputs are not permitted"):
+        RuntimeConfig.model_validate({"engine": {"local_args": ["--num-threads", "1"]}})
+    # Every field is a flag `agentloop serve` takes.
+    from agentloop.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {o for a in serve._actions for o in a.option_strings}
+    assert {"--" + n.replace("_", "-") for n in LocalServerConfig.model_fields} <= flags

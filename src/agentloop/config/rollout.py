@@ -32,11 +32,8 @@ from ..yaml_strict import safe_load as strict_yaml_load
 #: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise (and
 #: `agentloop config --show` marks as the command's, next to the library's default).
 #: Small turns keep the default CPU run (16 prompts x 2, 2 steps) well under a minute on 2 cores.
-#: One torch thread for the embedded engine: the tiny model's matmuls are too small to gain from
-#: intra-op threads, and with the rollout process (and anything else) on the same 2 cores, two
-#: spinning threads made the default run 4.6x slower (197 vs 917 generated tokens/s, measured).
+#: (The embedded engine runs one torch thread: `agentloop serve`'s own default, `engine.local.num_threads`.)
 ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
-    "engine": {"local_args": ["--num-threads", "1"]},
     "scheduler": {"n": 2, "concurrency": 32},
     "agent": {
         "max_assistant_turns": 4,

@@ -245,7 +245,7 @@ class RayFleetEngines:
         lc = ecfg.launch
         if lc is None:  # embedded: CPU engines
             self.model_path = str(embedded_model(ecfg))
-            specs = [EngineSpec("local", self.model_path, extra_args=tuple(ecfg.local_args), host=rc.engine_host)
+            specs = [EngineSpec("local", self.model_path, extra_args=tuple(ecfg.local.serve_args()), host=rc.engine_host)
                      for _ in range(ecfg.num_local_servers)]
             return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0)
         if lc.gpu_ids is not None:
