@@ -40,7 +40,7 @@ from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 from .book import GroupBook, expand_samples
 from .feeder import Feeder
-from .filters import get_group_filter
+from ..group_filters import get_group_filter
 from .result import ScheduleResult, build_result
 from .staleness import VersionLog, token_staleness
 from .trajectory import TrajectoryRunner
