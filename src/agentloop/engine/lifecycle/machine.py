@@ -11,6 +11,7 @@ tag at once, then loads. `sleep()`: DRAINING → close every gate → liveness p
 in-flight requests → wait for them to settle (in every gate) → continue_generation → flush_cache
 (retried while busy) → release every tag → SLEEPING. The continue sits in the sleep, not the wake-up:
 a paused SGLang server holds new requests until continued, so the engine is unpaused before it sleeps.
+`update_weights_in_flight(weights)` (AWAKE only): new weights while requests run (see its docstring).
 
 Every stage fans out to the servers in rotation and is awaited as one; a server that fails a stage,
 the liveness probe or, mid-step, the router or the step watchdog is taken out while the others go on.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import anyio
 
@@ -250,6 +251,64 @@ class Lifecycle:
             self._sleep_resume_at = None
             self._set_state(EngineState.SLEEPING)
             await self.fleet.mark_sleeping()
+
+    async def update_weights_in_flight(self, weights: WeightsLike,  # type: ignore[valid-type]
+                                       *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:
+        """Load new weights while AWAKE without draining: the requests running in the engines pause, the
+        weights and the served version change, and the same requests go on under the new version.
+        Returns the version now served (a no-op, like `wake_up`, for the weights already served).
+
+        Stages (phase "update_in_flight", each a `StageRecord`): close every gate (generates arriving
+        meanwhile wait there: the gate stays the one road to generate) → `/pause_generation` on every
+        server in rotation → load through the wake-up's path (`ServerDriver.load`, the client's checks;
+        the new version in the same call) → `/continue_generation` → open the gates on the new version.
+
+        `retract` (the default) and not `in_place`, read from sglang 0.5.17's scheduler: `in_place`
+        only stops the loop, leaving running requests with the KV their tokens so far wrote under
+        the old weights, so the tokens sampled right after the continue attend to old keys/values (a
+        half-updated model). `retract` frees the running requests' KV and puts them back in the waiting
+        queue; on continue they are prefilled again (prompt + tokens so far) under the new weights, so
+        every token sampled after the update comes from the new weights (the CPU engine recomputes
+        everything; SGLang's radix cache may still serve prompt-prefix KV cached before the update:
+        launch it with `--disable-radix-cache` where that matters). Cost: one re-prefill of the running
+        contexts. With either mode requests stay queued in the scheduler, so a flush fails (SGLang
+        asserts a weight load's flush succeeds): the load is sent with `flush_cache=False`.
+
+        Failure: pause failing on every server → the servers are continued (best effort) and the old
+        weights keep serving (AWAKE). A load or continue failing on every server may leave half-written
+        weights behind the paused requests: the gates stay closed and the state is DRAINING at stage
+        "pause" — `sleep()` aborts the paused requests and finishes; then `wake_up(weights)`. A server
+        failing alone is taken out of rotation (its requests retried elsewhere).
+        """
+        w = Weights.coerce(weights)
+        if w is None:
+            raise ValueError("update_weights_in_flight needs weights (a state dict, a path or Weights)")
+        phase = "update_in_flight"
+        async with self._transition_lock:
+            if self._state is not EngineState.AWAKE:
+                raise LifecycleError(phase, f"the engines are {self._state.value}, not AWAKE: use wake_up(weights)")
+            if self._serves(w):
+                return self.weight_version
+            version = self._next_version(w)
+            await self.fleet.close_gates()
+            try:
+                await self.fleet.stage(phase, "pause", lambda d: d.pause(pause_mode))
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.fleet.unpause_best_effort(phase)
+                    await self.fleet.open_gates(self.weight_version)
+                raise
+            try:
+                await self.fleet.stage(phase, "update_weights", lambda d: d.load(w, version, flush_cache=False))
+                self.weight_version, self._last_weights = version, w
+                await self.fleet.stage(phase, "continue", lambda d: d.unpause())
+            except BaseException:
+                self._set_state(EngineState.DRAINING)
+                self._sleep_resume_at = SLEEP_STAGES[0]
+                raise
+            await self.fleet.open_gates(version)
+            log.info("weights updated in flight (%s mode): now serving %s", pause_mode, version)
+            return version
 
     async def park(self) -> None:
         """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`),
