@@ -1,7 +1,5 @@
 """`Lifecycle`: the state machine that drives engine servers' memory through wake and sleep, and moves
-the gates it owns. Its parts: `ServerDriver` (one server: memory calls, marks, lease, attach state),
-`Fleet` (rotation, gates, stages fanned out and recorded), `Owner` (the lease). `_state` is written
-here only.
+the gates it owns; its parts (`ServerDriver`, `Fleet`, `Owner`) do the work. `_state` is written here only.
 
 States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
 
@@ -29,10 +27,9 @@ import anyio
 
 from ..base import MEMORY_TAGS, EngineClient, GenerateOutput, SamplingParams
 from ..gate import Gate, GateControl
-from ..lease import Lease
 from ..state import EngineState
 from .fleet import Fleet, RecordMark
-from .log import log
+from .log import forward as _forward, log
 from .owner import Owner
 from .server import ServerDriver
 from .types import SLEEP_STAGES, AttachState, LifecycleError, LifecycleSettings, StageRecord, WakeUp, Weights, same_weights
@@ -40,18 +37,6 @@ from .types import SLEEP_STAGES, AttachState, LifecycleError, LifecycleSettings,
 __all__ = ["Lifecycle"]
 
 WeightsLike = "Weights | Mapping[str, Any] | str | Path | None"
-
-
-def _forward(part: str, name: str, doc: str, *, settable: bool = False) -> property:
-    """A read-through to `self.<part>.<name>` (the lifecycle's public face keeps what its parts do)."""
-
-    def get(self: Any) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def put(self: Any, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, put if settable else None, doc=doc)
 
 
 class Lifecycle:
@@ -114,10 +99,10 @@ class Lifecycle:
         log.debug("lifecycle %s -> %s", self._state.value, state.value)
         self._state = state
 
-    @property
-    def records(self) -> list[StageRecord]:
-        """Every stage run so far, in order (`record_mark` / `records_since` read one call's)."""
-        return self.fleet.records
+    records = _forward("fleet", "records", "Every stage run so far, in order (`records_since` reads one call's).")
+    server_events = _forward("fleet", "server_events", "Servers leaving and re-entering rotation.")
+    gate_windows = _forward("fleet", "gate_windows", "Wall-clock spans during which the gates were open.")
+    lease = _forward("owner", "lease", "This lifecycle's lease (`owner.py`).")
 
     def record_mark(self) -> RecordMark:
         """A position in `records`: pass it to `records_since` after a wake-up, sleep or update."""
@@ -126,18 +111,6 @@ class Lifecycle:
     def records_since(self, mark: RecordMark) -> list[StageRecord]:
         """The stages run since `mark` (e.g. one step's wake-up and sleep), a copy."""
         return self.fleet.records_since(mark)
-
-    @property
-    def server_events(self) -> list[dict[str, Any]]:
-        return self.fleet.server_events
-
-    @property
-    def gate_windows(self) -> list[list[float]]:
-        return self.fleet.gate_windows
-
-    @property
-    def lease(self) -> Lease:
-        return self.owner.lease
 
     # ------------------------------------------------------------------ transitions
     async def wake_up(self, weights: WeightsLike = None) -> str | None:  # type: ignore[valid-type]
@@ -169,7 +142,7 @@ class Lifecycle:
             if self._state is EngineState.DRAINING:
                 # the lock is free, so no sleep is running: the last one (or an update) failed part-way
                 raise LifecycleError(
-                    "wake_up", f"the last sleep failed at stage '{self._sleep_resume_at}' and the "
+                    "wake_up", f"the last sleep (or in-flight update) failed at stage '{self._sleep_resume_at}' and the "
                     "engines are DRAINING; call sleep() to finish it, then wake_up")
             self._waking = wake = WakeUp(w)
             try:
@@ -254,31 +227,25 @@ class Lifecycle:
 
     async def update_weights_in_flight(self, weights: WeightsLike,  # type: ignore[valid-type]
                                        *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:
-        """Load new weights while AWAKE without draining: the requests running in the engines pause, the
-        weights and the served version change, and the same requests go on under the new version.
-        Returns the version now served (a no-op, like `wake_up`, for the weights already served).
+        """New weights while AWAKE, without draining: the running requests pause, the weights and the
+        served version change, the same requests go on under the new version. Returns the version
+        served (a no-op, like `wake_up`, for the weights already served). Stages (phase
+        "update_in_flight"): close the gates (generates arriving meanwhile wait there) → pause every
+        server in rotation → load through the wake-up's path (`ServerDriver.load`, its checks, the new
+        version in the same call) → continue → open the gates on the new version.
 
-        Stages (phase "update_in_flight", each a `StageRecord`): close every gate (generates arriving
-        meanwhile wait there: the gate stays the one road to generate) → `/pause_generation` on every
-        server in rotation → load through the wake-up's path (`ServerDriver.load`, the client's checks;
-        the new version in the same call) → `/continue_generation` → open the gates on the new version.
+        `retract`, not `in_place` (sglang 0.5.17's scheduler): `in_place` only stops the loop, so the
+        tokens sampled after the continue attend to KV the old weights wrote (a half-updated model);
+        `retract` frees the running requests' KV and requeues them, re-prefilled (prompt + tokens so
+        far) under the new weights. Cost: one re-prefill of the running contexts. (SGLang's radix cache
+        may still hold prefix KV cached before the update: `--disable-radix-cache` where that matters.)
+        Paused requests stay queued, so a flush fails and SGLang asserts a load's flush: the load is
+        sent with `flush_cache=False`.
 
-        `retract` (the default) and not `in_place`, read from sglang 0.5.17's scheduler: `in_place`
-        only stops the loop, leaving running requests with the KV their tokens so far wrote under
-        the old weights, so the tokens sampled right after the continue attend to old keys/values (a
-        half-updated model). `retract` frees the running requests' KV and puts them back in the waiting
-        queue; on continue they are prefilled again (prompt + tokens so far) under the new weights, so
-        every token sampled after the update comes from the new weights (the CPU engine recomputes
-        everything; SGLang's radix cache may still serve prompt-prefix KV cached before the update:
-        launch it with `--disable-radix-cache` where that matters). Cost: one re-prefill of the running
-        contexts. With either mode requests stay queued in the scheduler, so a flush fails (SGLang
-        asserts a weight load's flush succeeds): the load is sent with `flush_cache=False`.
-
-        Failure: pause failing on every server → the servers are continued (best effort) and the old
-        weights keep serving (AWAKE). A load or continue failing on every server may leave half-written
-        weights behind the paused requests: the gates stay closed and the state is DRAINING at stage
-        "pause" — `sleep()` aborts the paused requests and finishes; then `wake_up(weights)`. A server
-        failing alone is taken out of rotation (its requests retried elsewhere).
+        Failure: a pause failing everywhere → servers continued, old weights served (AWAKE). A load or
+        continue failing everywhere may leave half-written weights behind paused requests: gates
+        closed, DRAINING at "pause" (`sleep()` aborts them, then `wake_up(weights)`). A server failing
+        alone is taken out of rotation.
         """
         w = Weights.coerce(weights)
         if w is None:
