@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import anyio
 
-from ..base import MEMORY_TAGS, EngineClient, GenerateOutput, SamplingParams
-from ..gate import Gate, GateControl
+from ..base import MEMORY_TAGS, EngineClient
+from ..gate import Gate
 from ..state import EngineState
 from .fleet import Fleet, RecordMark
 from .log import forward as _forward, log
@@ -36,7 +36,8 @@ from .types import SLEEP_STAGES, AttachState, LifecycleError, LifecycleSettings,
 
 __all__ = ["Lifecycle"]
 
-WeightsLike = "Weights | Mapping[str, Any] | str | Path | None"
+#: What `wake_up` and `update_weights_in_flight` accept (`Weights.coerce`).
+WeightsLike = Union[Weights, Mapping[str, Any], str, Path, None]
 
 
 class Lifecycle:
@@ -113,7 +114,7 @@ class Lifecycle:
         return self.fleet.records_since(mark)
 
     # ------------------------------------------------------------------ transitions
-    async def wake_up(self, weights: WeightsLike = None) -> str | None:  # type: ignore[valid-type]
+    async def wake_up(self, weights: WeightsLike = None) -> str | None:
         """Staged wake-up; returns the weight version now served.
 
         "The same weights" means the same state dict object or the same path (see `same_weights`),
@@ -225,7 +226,7 @@ class Lifecycle:
             self._set_state(EngineState.SLEEPING)
             await self.fleet.mark_sleeping()
 
-    async def update_weights_in_flight(self, weights: WeightsLike,  # type: ignore[valid-type]
+    async def update_weights_in_flight(self, weights: WeightsLike,
                                        *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:
         """New weights while AWAKE, without draining: the running requests pause, the weights and the
         served version change, the same requests go on under the new version. Returns the version
