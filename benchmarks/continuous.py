@@ -435,7 +435,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.gpu_scale:
         args.turns, args.prompt_tokens, args.gen_median, args.gen_sigma, args.gen_max = 4, 256, 64.0, 1.0, 1024
         args.tool_result_median, args.batch_groups, args.group_size = 32.0, 16, 4
-        args.active, args.tool_latency_means = [768, 1536, 256], [2.0, 0.5]
+        # the sweep, unless the command line picked its own points
+        if args.active == p.get_default("active"):
+            args.active = [768, 1536, 256]
+        if args.tool_latency_means == p.get_default("tool_latency_means"):
+            args.tool_latency_means = [2.0, 0.5]
     if args.smoke:
         args.batch_groups, args.group_size, args.steps, args.active, args.turns = 2, 2, 3, [6], 2
         args.tool_latency_means, args.gen_median, args.gen_max, args.prompt_tokens = [0.01], 3, 8, 8
