@@ -94,7 +94,7 @@ class RayScheduler(Scheduler):
         return RemoteAgent(self, name)
 
     async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,
-                  config: SchedulerConfig | None = None, more_samples: Any = None) -> ScheduleResult:
+                  config: SchedulerConfig | None = None, more_samples: Any = None, on_group: Any = None) -> ScheduleResult:
         cfg = config or self.config
         self.worker_config = cfg.model_dump(mode="json")
         # Timeouts are the workers' job (they stop the trajectory and keep its partial result); the
@@ -102,7 +102,8 @@ class RayScheduler(Scheduler):
         self.call_timeout = (cfg.trajectory_timeout + cfg.abort_grace + 60.0) if cfg.trajectory_timeout else None
         driver_cfg = SchedulerConfig.model_validate({**cfg.model_dump(), "trajectory_timeout": None})
         self.pool.events = PoolEvents()
-        result = await super().run(samples, on_trajectory=on_trajectory, config=driver_cfg, more_samples=more_samples)
+        result = await super().run(samples, on_trajectory=on_trajectory, config=driver_cfg, more_samples=more_samples,
+                                   on_group=on_group)
         stats = await self.pool.stats()
         ev = self.pool.events
         retried, deaths = list(ev.retried), list(ev.worker_deaths)
