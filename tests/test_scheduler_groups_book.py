@@ -188,3 +188,20 @@ async def test_watchdog_checks_servers_every_quarter_of_the_hung_timeout() -> No
     assert router.checks == [0.2] * len(router.checks) and 3 <= len(router.checks) <= 5
     with pytest.raises(ValueError, match="needs the router"):
         Watchdog(clock=time.monotonic, is_running=bool, on_expired=print, hung_timeout=1.0)
+
+
+def test_running_groups_is_counted_as_members_are_added_and_finish() -> None:
+    book = GroupBook(n=2)
+    book.add(expand_samples(prompts(2), 2))
+    assert book.running_groups == 2 and book.unfinished == 4
+    book.finish(0, traj(book.jobs[0]))
+    assert book.running_groups == 2
+    book.finish(1, traj(book.jobs[1]))
+    assert book.running_groups == 1 and book.unfinished == 2
+    # A member of a complete group added later (a group given in parts) makes it run again.
+    book.add([Sample(uid="p0_2", messages=[], group_id="p0", index_in_group=2)])
+    assert book.running_groups == 2 and book.unfinished == 3
+    book.finish(4, traj(book.jobs[4]))
+    assert book.running_groups == 1
+    assert book.finish(2, traj(book.jobs[2])).verdict == "emitted"
+    assert book.finish(3, traj(book.jobs[3])).group == (2, 3) and book.running_groups == 0

@@ -132,7 +132,7 @@ async def test_a_stop_from_outside_cuts_tool_waits_too() -> None:
 
 async def test_the_tool_loop_ends_at_once_when_stopped_during_its_tool_calls_and_resumes_them() -> None:
     from agentloop.agents import AgentContext, get_agent
-    from agentloop.agents.tool import INTERRUPTED_TOOLS
+    from agentloop.agents.tool import INTERRUPTED
     from agentloop.tools import ToolRegistry
     from test_agents import Calculator, ScriptedEngine, call
     from test_chat_templates import qwen_style_tokenizer
@@ -164,16 +164,57 @@ async def test_the_tool_loop_ends_at_once_when_stopped_during_its_tool_calls_and
     partial = box["partial"]
     partial.check_invariants()
     assert (partial.status, partial.finish_reason, partial.error) == ("aborted", "abort", None)
-    assert partial.extra[INTERRUPTED_TOOLS] is True and partial.tool_calls == 0 and partial.num_turns == 1
+    assert partial.extra[INTERRUPTED] is True and partial.tool_calls == 0 and partial.num_turns == 1
     assert [m["role"] for m in partial.messages] == ["user", "assistant"]
 
     resumed = await get_agent("tool").run(
         Sample(uid="s0", messages=s.messages, resume_from=partial),
         ctx(ScriptedEngine(tok, turns[1:], version="v2"), ToolRegistry([Calculator()])))
-    assert resumed.status == "completed" and resumed.tool_calls == 1 and INTERRUPTED_TOOLS not in resumed.extra
+    assert resumed.status == "completed" and resumed.tool_calls == 1 and INTERRUPTED not in resumed.extra
     resumed.check_invariants()
     # Exactly the uninterrupted run: same tokens, masks, logprobs, messages (call ids included).
     assert resumed.response_ids == reference.response_ids and resumed.response_mask == reference.response_mask
     assert resumed.response_logprobs == reference.response_logprobs
     assert resumed.messages == reference.messages
     assert resumed.weight_versions == ["v1", "v2"]  # each turn tagged with the version that sampled it
+
+
+async def test_a_stop_cuts_the_wait_for_the_simulated_user_and_the_resume_asks_again() -> None:
+    from agentloop.agents import AgentContext, get_agent
+    from agentloop.agents.tool import INTERRUPTED
+    from test_agents import ScriptedEngine
+    from test_chat_templates import qwen_style_tokenizer
+
+    tok = qwen_style_tokenizer()
+    s = Sample(uid="u0", messages=[{"role": "user", "content": "Hi"}])
+
+    def user(delay: float):
+        async def reply(messages, sample):  # one follow-up, then done
+            await anyio.sleep(delay)
+            return "Tell me more." if sum(m["role"] == "user" for m in messages) == 1 else None
+        return reply
+
+    def ctx(engine: ScriptedEngine, delay: float, stop=None) -> AgentContext:
+        return AgentContext(generate=engine, tokenizer=tok, config=AgentConfig(), interaction=user(delay), stop=stop)
+
+    reference = await get_agent("tool").run(s, ctx(ScriptedEngine(tok, ["Hello.", "More."]), 0.0))
+    assert reference.status == "completed" and reference.extra["user_turns"] == 1
+    session = Router(Lifecycle([FakeEngine("http://a")], awake=True)).session("u0")
+    box = {}
+
+    async def run() -> None:
+        box["partial"] = await get_agent("tool").run(s, ctx(ScriptedEngine(tok, ["Hello."]), 30.0, stop=session))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.sleep(0.3)  # waiting for the 30 s user
+        t_stop = time.monotonic()
+        session.stop("early stop: target groups reached")
+    assert time.monotonic() - t_stop < 2.0
+    partial = box["partial"]
+    assert (partial.status, partial.extra[INTERRUPTED], partial.extra["user_turns"]) == ("aborted", True, 0)
+    resumed = await get_agent("tool").run(Sample(uid="u0", messages=s.messages, resume_from=partial),
+                                          ctx(ScriptedEngine(tok, ["More."], version="v2"), 0.0))
+    assert resumed.status == "completed" and INTERRUPTED not in resumed.extra
+    assert resumed.response_ids == reference.response_ids and resumed.response_mask == reference.response_mask
+    assert resumed.messages == reference.messages and resumed.weight_versions == ["v1", "v2"]

@@ -26,6 +26,8 @@
 # SWEEP_MIN_PART (35) seconds is skipped and listed. SWEEP_BUDGET (default 520 s) counts from this
 # script's start: with ~20-30 s of install before it, the call stays under 9.5 minutes.
 #
+# SWEEP_LONGTAIL_ARGS / SWEEP_LONGTAIL_LIMIT replace the long_tail part's sizes / time limit (default 90 s), e.g.
+# the stop-tail check of issue 27 (768 in flight, 2 s tools; see benchmarks/README.md, "Stop tail").
 # SWEEP_PARTS (default "lifecycle weights throughput long_tail 7b") picks parts, e.g. a second call for the points
 # the budget left out: SWEEP_PARTS="throughput 7b" SWEEP_POINTS="128:2 64:2 128:0.05 64:0.05".
 # SWEEP_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang, every part
@@ -78,7 +80,7 @@ if [ "$DRYRUN" = 1 ]; then
 else
   SIZE_TP="--trajectories 1024 --turns 3 --prompt-tokens 256 --gen-median 24 --gen-sigma 0.8 --traj-sigma 0.6 --gen-max 1024 --tool-result-median 48"
   SIZE_LC="--repeats 10 --memory-repeats 2 --requests 16 --tokens 32"
-  SIZE_LT="--target-groups 8 --group-size 4 --oversample 1.5 --steps 3 --turns 2 --prompt-tokens 128 --gen-median 48 --gen-sigma 0.4 --traj-sigma 1.0 --gen-max 768 --tool-latency-mean 0.05 --tool-result-median 32"
+  SIZE_LT=${SWEEP_LONGTAIL_ARGS:-"--target-groups 8 --group-size 4 --oversample 1.5 --steps 3 --turns 2 --prompt-tokens 128 --gen-median 48 --gen-sigma 0.4 --traj-sigma 1.0 --gen-max 768 --tool-latency-mean 0.05 --tool-result-median 32"}
   SIZE_WU="--repeats 3 --bucket-mb 256 1024"
 fi
 
@@ -173,9 +175,9 @@ run_points() {  # POINTS_DIR SUFFIX LONG_TAIL(0|1) POINT...: throughput points a
       --server-log "$SERVER_LOG"
     [ $? = 2 ] && break
     n=$((n + 1))
-    [ $n = 3 ] && [ "$lt" = 1 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+    [ $n = 3 ] && [ "$lt" = 1 ] && run_part long_tail "${SWEEP_LONGTAIL_LIMIT:-90}" long_tail --out "$RES" $SIZE_LT
   done
-  [ $n -lt 3 ] && [ "$lt" = 1 ] && run_part long_tail 90 long_tail --out "$RES" $SIZE_LT
+  [ $n -lt 3 ] && [ "$lt" = 1 ] && run_part long_tail "${SWEEP_LONGTAIL_LIMIT:-90}" long_tail --out "$RES" $SIZE_LT
   if [ $# -gt 0 ]; then
     python3 tools/gpu_sweep_report.py --points "$dir" --windows "$WORK/windows.txt" --server-log "$SERVER_LOG" \
       --out "$RES" --suffix "$suffix" 2>&1 | tee -a "$LOG" | tail -12 || say "sweep report failed"

@@ -4,8 +4,9 @@ Ends when a turn has no tool call (then the optional simulated user may add a us
 goes on: the sample's `extra["interaction"]`, a registered name or `module:function` path, else
 `ctx.interaction`; the `interaction` loop, a subclass, requires one), when `max_assistant_turns` /
 `max_user_turns` is reached, or when the token budget is spent. Statuses: completed (the model stopped), truncated (a limit or the budget cut
-it), aborted (the engine aborted a turn, or a stop of the trajectory cut its tool calls, which end at
-once — partial rollout resumes it from `sample.resume_from`, running the cut calls again),
+it), aborted (the engine aborted a turn, or a stop of the trajectory cut its tool calls or the wait for
+the simulated user, which end at once — partial rollout resumes it from `sample.resume_from`,
+redoing the cut step),
 failed (an unexpected exception; returned, never raised). Malformed calls, unknown tools, timeouts
 and exceptions inside tools reach the model as tool results (the registry makes them), counted in
 `metrics["tool_errors"]`.
@@ -32,8 +33,9 @@ from .registry import register_agent
 from .episode import BudgetSpent, Episode
 from .interaction import Interaction, ask_user, get_interaction
 
-#: `Trajectory.extra` key: a stop cut this trajectory's tool calls (its resume runs them again).
-INTERRUPTED_TOOLS = "tool_calls_interrupted"
+#: `Trajectory.extra` key: a stop cut the wait after this trajectory's last model turn (its tool calls,
+#: or the simulated user's reply); its resume redoes that step from the same tokens.
+INTERRUPTED = "wait_after_turn_interrupted"
 
 
 @register_agent
@@ -78,9 +80,10 @@ class ToolAgent(AgentLoop):
         cfg = ep.config
         parser = get_parser(cfg.tool_parser)
         assert ep.buffer is not None
-        # A trajectory whose tool calls a stop cut resumes by running them again (its assistant
-        # message is already shown; the calls are parsed again from the same tokens, with the same ids).
-        interrupted = bool(ep.extra.pop(INTERRUPTED_TOOLS, False))
+        # A trajectory whose tool calls (or user reply) a stop cut resumes by redoing that step: its
+        # assistant message is already shown; the calls are parsed again from the same tokens, with the
+        # same ids (no calls: the simulated user is asked again).
+        interrupted = bool(ep.extra.pop(INTERRUPTED, False))
         while True:
             if interrupted:
                 interrupted = False
@@ -104,7 +107,7 @@ class ToolAgent(AgentLoop):
                 with ep.ctx.interruptible() as wait:  # a stop (early stop, sleep) ends the calls at once
                     results = await self._run_tools(ep, calls, tool_ctx)
                 if wait.cancelled_caught:
-                    ep.extra[INTERRUPTED_TOOLS] = True
+                    ep.extra[INTERRUPTED] = True
                     ep.finish("aborted", "abort")
                     return
                 shown = [_tool_message(r) for r in results]
@@ -126,10 +129,15 @@ class ToolAgent(AgentLoop):
                 ep.finish("truncated", "max_assistant_turns")
                 return
             t0 = ep.clock()
-            reply = await ask_user(
-                user, ep.buffer.messages, ep.sample,
-                timeout=cfg.interaction_timeout,
-            )
+            with ep.ctx.interruptible() as wait:  # a stop ends the wait for the simulated user at once
+                reply = await ask_user(
+                    user, ep.buffer.messages, ep.sample,
+                    timeout=cfg.interaction_timeout,
+                )
+            if wait.cancelled_caught:
+                ep.extra[INTERRUPTED] = True
+                ep.finish("aborted", "abort")
+                return
             ep.event("user", t0, ep.clock())
             if reply is None:
                 ep.finish("completed", "stop")

@@ -52,6 +52,7 @@ from ..engine.router import RouteSession, Router
 from ..runtime.backends import EngineBackend
 from ..runtime.assembly import RolloutParts, make_router, make_scheduler, on_teardown
 from ..runtime.core import AgentloopError, Runtime
+from ..scheduler.staleness import VersionLog
 from ..scheduler.core import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, ray_engine_backend
@@ -116,17 +117,19 @@ class RayScheduler:
         self.config = config
         self.tokenizer = tokenizer
         self._running: list[Scheduler] = []
+        self.versions = VersionLog()
 
     async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,
-                  config: SchedulerConfig | None = None, more_samples: Any = None) -> ScheduleResult:
+                  config: SchedulerConfig | None = None, more_samples: Any = None, on_group: Any = None) -> ScheduleResult:
         step = RemoteStep.of(config or self.config.scheduler)
         sched = make_scheduler(self.router, self.config, tokenizer=self.tokenizer, reward_fn=_keep_worker_reward,
                                clock=time.time, agents=lambda name: RemoteAgent(self.pool, name, step))
+        sched.versions = self.versions  # the weight versions of every step, in order (staleness)
         self.pool.events = PoolEvents()
         self._running.append(sched)
         try:
             result = await sched.run(samples, on_trajectory=on_trajectory, config=step.driver_config,
-                                     more_samples=more_samples)
+                                     more_samples=more_samples, on_group=on_group)
         finally:
             self._running.remove(sched)
         stats = await self.pool.stats()

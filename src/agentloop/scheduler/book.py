@@ -105,6 +105,7 @@ class GroupBook:
         self.jobs: list[Sample] = []
         self.results: list[Trajectory | None] = []
         self._unfinished = 0
+        self._running = 0  # groups with a member not finished yet
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, list[int]] = {}
         self._uids: set[str] = set()
@@ -122,8 +123,15 @@ class GroupBook:
         self._unfinished += len(jobs)
         for i, j in enumerate(jobs, start=first):
             self._members.setdefault(j.group_id, []).append(i)
-        for g in {j.group_id for j in jobs}:
-            self._groups[g] = _Group(len(self._members[g]))
+        for g in dict.fromkeys(j.group_id for j in jobs):
+            group = self._groups.get(g)
+            if group is None:
+                self._groups[g] = _Group(len(self._members[g]))
+                self._running += 1
+            else:  # more members of a group already here: it grows (and runs again if it was complete)
+                self._running -= not group.complete
+                group.size = len(self._members[g])
+                self._running += not group.complete
         return range(first, len(self.jobs))
 
     def add_sample(self, sample: Sample) -> range:
@@ -141,8 +149,8 @@ class GroupBook:
 
     @property
     def running_groups(self) -> int:
-        """Groups with a member not finished yet."""
-        return sum(1 for g in self._groups.values() if not g.complete)
+        """Groups with a member not finished yet (kept as a count: the feeder asks after every finish)."""
+        return self._running
 
     @property
     def unfinished(self) -> int:
@@ -169,6 +177,7 @@ class GroupBook:
         g = self._groups[gid]
         g.done += 1
         g.ok += traj.status in FINISHED_OK
+        self._running -= g.complete
         idx = tuple(self._members[gid])
         if not self.grouped:
             if is_unfinished(traj):
