@@ -43,7 +43,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import signal
 import sys
 import threading
@@ -84,22 +83,11 @@ def resolve_engine(engine: str) -> str:
 # ------------------------------------------------------------------ models
 def weak_checkpoint(folder: Path, noise: float, seed: int) -> Path:
     """The shipped tiny tool model with seeded Gaussian noise (`noise` x each tensor's std) added to
-    every weight: a deterministic, deliberately weak starting point (tokenizer and config unchanged)."""
-    from safetensors.torch import load_file, save_file
+    every weight: a deterministic, deliberately weak starting point (tokenizer and config unchanged).
+    The same checkpoint as `agentloop.models.weak_tiny_tool_model` (the CPU demos use it too)."""
+    from agentloop.models import weak_tiny_tool_model
 
-    from agentloop.models import tiny_tool_model
-
-    src = tiny_tool_model()
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, folder / f.name)
-    g = torch.Generator().manual_seed(seed)
-    weights = load_file(str(src / "model.safetensors"))
-    weak = {k: (v + torch.randn(v.shape, generator=g) * v.float().std() * noise).contiguous()
-            for k, v in sorted(weights.items())}
-    save_file(weak, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return weak_tiny_tool_model(noise, seed, folder=folder)
 
 
 def real_model_folder(folder: Path, engine: str, *, vocab_size: int) -> tuple[Path, dict[str, Any]]:

@@ -73,6 +73,10 @@ async def _run_steps(run: CommandRun) -> None:
         await runtime.start()
         assert runtime.lifecycle is not None
         run.engine_urls = list(runtime.lifecycle.urls)
+        c = getattr(runtime, "concurrency", None)  # a runtime given by a test may not resolve one
+        if c is not None:
+            cap = f", the engines run {c.engine_capacity} requests at once" if c.engine_capacity else ""
+            run.progress.message(f"concurrency {c.used} trajectories in flight ({c.rule}{cap})")
         # Engines are up: only now is the output folder touched, so a failed start leaves nothing.
         out.mkdir(parents=True, exist_ok=True)
         clear_outputs(out)
@@ -138,7 +142,7 @@ async def _run_steps(run: CommandRun) -> None:
                         await done(s.resume_from)
             else:
                 rec.carried = {s.group_id or s.uid for s in carry}
-            run.progress.end_step(step_summary(rec))
+            run.progress.end_step(step_summary(rec, getattr(runtime, "concurrency", None)))
             if run.interrupted or run.write_errors:
                 break
     finally:

@@ -10,12 +10,16 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..engine.lifecycle_types import StageRecord
+from ..output.engine_use import engine_use
 from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
 from .rollout_prompts import prompt_statuses
 from .rollout_state import CommandRun, StepRecord
+
+if TYPE_CHECKING:  # the runtime package imports torch: not at this module's import (`agentloop --help`)
+    from ..runtime.concurrency import ConcurrencyInfo
 
 __all__ = ["finish_outputs", "preload_output_modules", "print_result", "step_summary", "write_failure_message"]
 
@@ -39,13 +43,15 @@ def _attempt(run: CommandRun, name: str, write: Callable[[], Path | None]) -> Pa
         return None
 
 
-def step_summary(rec: StepRecord) -> dict[str, Any]:
+def step_summary(rec: StepRecord, concurrency: "ConcurrencyInfo | None" = None) -> dict[str, Any]:
     rollout = rec.metrics.get("rollout_seconds")
     if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
         rollout = _rollout_window(rec.records)
+    use = engine_use(rec.trajectories, concurrency=concurrency.used if concurrency else None,
+                     engine_capacity=concurrency.engine_capacity if concurrency else None)
     return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
                           rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"),
-                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried))
+                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried), engine_use=use)
 
 
 def preload_output_modules() -> None:
@@ -68,7 +74,8 @@ def finish_outputs(run: CommandRun) -> list[Path]:
     rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
     written = [_attempt(run, stream.partial.name, stream.close),
                _attempt(run, PARQUET_NAME, lambda: write_parquet(out / PARQUET_NAME, rows))]
-    summaries = [step_summary(rec) for rec in run.steps]
+    concurrency = getattr(run.runtime, "concurrency", None)
+    summaries = [step_summary(rec, concurrency) for rec in run.steps]
     summary = summarize_run(
         summaries,
         interrupted=run.interrupted,
@@ -78,6 +85,8 @@ def finish_outputs(run: CommandRun) -> list[Path]:
         bad_rows=len(run.dataset.bad_rows),
         engines=run.engine_urls or run.cfg.runtime.engine.urls,
         n=run.cfg.runtime.scheduler.n,
+        # What scheduler.concurrency resolved to and why; per step, engine_use says how busy that kept the engines.
+        concurrency=concurrency.as_dict() if concurrency is not None else None,
         started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(run.started)),
         wall_seconds=round(time.time() - run.started, 3),
         write_errors=list(run.write_errors),

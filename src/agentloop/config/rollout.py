@@ -38,9 +38,11 @@ from .yaml_strict import safe_load as strict_yaml_load
 #: One torch thread for the embedded engine: the tiny model's matmuls are too small to gain from
 #: intra-op threads, and with the rollout process (and anything else) on the same 2 cores, two
 #: spinning threads made the default run 4.6x slower (197 vs 917 generated tokens/s, measured).
+#: Concurrency is the library's `auto` (what the engines can run: 64 on the CPU engine, the servers'
+#: max running requests on SGLang): a fixed 32 here throttled SGLang on an H200 to waves of 32.
 ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
     "engine": {"local_args": ["--num-threads", "1"]},
-    "scheduler": {"n": 2, "concurrency": 32},
+    "scheduler": {"n": 2},
     "agent": {
         "max_assistant_turns": 4,
         "max_new_tokens_per_turn": 64,

@@ -52,6 +52,7 @@ from .engines import (
     start_embedded,
 )
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .concurrency import ConcurrencyInfo, resolve_concurrency
 from .metrics import step_metrics
 from .sync import SyncFacade
 from .types import (
@@ -110,6 +111,8 @@ class Runtime(SyncFacade):
         self._row_numbers = itertools.count(1)  #: numbers the uids generated for dict rows given to `step`
         #: Smallest usable context (prompt + response) the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
+        #: What scheduler.concurrency resolved to at start, and why (`agentloop.runtime.concurrency`).
+        self.concurrency: ConcurrencyInfo | None = None
         self._step_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ start / stop
@@ -140,6 +143,8 @@ class Runtime(SyncFacade):
                 await self._start_embedded()
             self.tokenizer = self.tokenizer if self.tokenizer is not None else await self._load_tokenizer()
             await self._fit_context_to_engines()
+            # `scheduler.concurrency: auto` becomes a number from what the engines can run.
+            self.config, self.concurrency = await resolve_concurrency(self.config, self.clients)
             self.lifecycle = Lifecycle(
                 self.clients,
                 staged=ecfg.staged,

@@ -55,7 +55,7 @@ import anyio.abc
 
 from .. import rewards
 from ..agents.base import AgentConfig, AgentContext, AgentLoop, get_agent
-from ..config.settings import SchedulerConfig
+from ..config.settings import CPU_ENGINE_CONCURRENCY, SchedulerConfig
 from ..engine.router import RouteSession, Router
 from .gc_scope import frozen_heap
 from .filters import GroupFilter, get_group_filter
@@ -179,7 +179,10 @@ class _ScheduleRun(ResultMixin, WatchMixin):
         if self.cfg.target_groups is not None and self.cfg.target_groups > len(self.groups) and self.more is None:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", self.cfg.target_groups, len(self.groups))
         self.t0 = t0 = self.clock()
-        self.limit = anyio.Semaphore(self.cfg.concurrency)
+        # `auto` is resolved by the Runtime from the engines (agentloop.runtime.concurrency); a scheduler
+        # used on its own (verl's AgentLoopManager, tests) has no engine to ask and keeps the CPU default.
+        conc = self.cfg.concurrency
+        self.limit = anyio.Semaphore(conc if isinstance(conc, int) else CPU_ENGINE_CONCURRENCY)
         self.s.router.slot_order = self.cfg.slot_order  # one step at a time (the runtime's step lock)
         async with anyio.create_task_group() as outer:
             if self.cfg.trajectory_timeout is not None:
