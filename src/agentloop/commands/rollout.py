@@ -185,7 +185,7 @@ async def _main(run: CommandRun) -> int:
         with anyio.CancelScope(shield=True):
             if run.stream is not None:
                 # Seconds on a small machine (Parquet, the plot): say so rather than look stuck.
-                files = "trajectories.parquet, summary.json" + (", timeline.png" if run.cfg.timeline else "")
+                files = "trajectories.parquet, summary.json" + (", timeline.png, training.png" if run.cfg.timeline else "")
                 run.progress.message(f"writing {files} to {run.cfg.out} ...")
             run.written = await anyio.to_thread.run_sync(finish_outputs, run)
         if run.write_errors:

@@ -38,7 +38,7 @@ def _concurrency(text: str) -> int | str:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "rollout",
-        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png)",
+        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png, training.png)",
         description="Turn a prompt dataset into trajectory files, one training step at a time. "
         "Defaults of every setting: `agentloop config --show`.",
     )
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="set any config field by its dotted name, VALUE parsed as YAML "
                    "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
     p.add_argument("-q", "--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
-    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png and training.png")
     return p
 
 

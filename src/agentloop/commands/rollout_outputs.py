@@ -1,5 +1,6 @@
-"""What an `agentloop rollout` run leaves and says at its end: trajectories.parquet, summary.json and
-timeline.png for what finished (each tried even when another cannot be written, failures recorded),
+"""What an `agentloop rollout` run leaves and says at its end: trajectories.parquet, summary.json,
+timeline.png and training.png (reward, length, tool calls, status, tokens/s per step) for what
+finished (each tried even when another cannot be written, failures recorded),
 the step summaries they are built from, and the lines printed: the result, or what could not be
 written and where the run's data is. The file formats themselves are `agentloop.output`.
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..engine.lifecycle_types import StageRecord
 from ..output.engine_use import engine_use
-from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
+from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, TRAINING_NAME, summarize_run, summarize_step, write_parquet, write_summary
 from .rollout_prompts import prompt_statuses
 from .rollout_state import CommandRun, StepRecord
 
@@ -60,13 +61,13 @@ def preload_output_modules() -> None:
         import pyarrow.parquet  # noqa: F401
         from matplotlib.backends import backend_agg  # noqa: F401
 
-        from ..output import timeline
+        from ..output import timeline, training_plot  # noqa: F401
     except Exception:  # noqa: BLE001
         pass
 
 
 def finish_outputs(run: CommandRun) -> list[Path]:
-    """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
+    """Close the stream and write Parquet, summary.json, timeline.png and training.png for what finished."""
     if run.stream is None:
         return []
     out = Path(run.cfg.out)
@@ -97,6 +98,12 @@ def finish_outputs(run: CommandRun) -> list[Path]:
 
         panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
         written.append(_attempt(run, TIMELINE_NAME, lambda: plot_timeline(panels, out / TIMELINE_NAME)))
+    if run.cfg.timeline and any(rec.trajectories for rec in run.steps):
+        from ..output.training_plot import plot_training, step_stats
+
+        stats = [step_stats(rec.step, rec.trajectories, rec.metrics.get("rollout_seconds"))
+                 for rec in run.steps if rec.trajectories]
+        written.append(_attempt(run, TRAINING_NAME, lambda: plot_training(stats, out / TRAINING_NAME)))
     return [p for p in written if p is not None]
 
 

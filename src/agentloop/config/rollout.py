@@ -163,7 +163,7 @@ class RolloutConfig(BaseModel):
         description="Prompt dataset (.jsonl or .parquet). None: the bundled arithmetic prompts "
         "(agentloop/data/arithmetic.jsonl).",
     )
-    out: str = Field("agentloop-out", description="Output folder: trajectories.jsonl/.parquet, summary.json, timeline.png.")
+    out: str = Field("agentloop-out", description="Output folder: trajectories.jsonl/.parquet, summary.json, timeline.png, training.png.")
     steps: int = Field(2, ge=1, description="Training steps to run: each is wake-up → roll out → sleep.")
     prompts_per_step: int | None = Field(
         16,
@@ -182,7 +182,8 @@ class RolloutConfig(BaseModel):
         "(exit 2) before any engine starts, so a re-run never deletes earlier results silently.",
     )
     quiet: bool = Field(False, description="Plain log lines instead of the live progress display.")
-    timeline: bool = Field(True, description="Draw timeline.png (trajectories over time, lifecycle stages).")
+    timeline: bool = Field(True, description="Draw timeline.png (trajectories over time, lifecycle stages) and "
+                           "training.png (reward, response length, tool calls, status, tokens/s per step).")
     runtime: RuntimeConfig = Field(
         default_factory=lambda: RuntimeConfig.model_validate(ROLLOUT_RUNTIME_DEFAULTS),
         description="Runtime settings: engines, scheduler, agent loops (agentloop.config.RuntimeConfig).",

@@ -41,7 +41,7 @@ from ..types import Trajectory
 
 # The names of `agentloop.output` that live in the modules above, re-exported (callers import them from here).
 __all__ = [
-    "JSONL_NAME", "MESSAGE_FIELDS", "OUTPUT_NAMES", "PARQUET_NAME", "PROMPT_STATUSES", "SUMMARY_NAME", "TIMELINE_NAME",
+    "JSONL_NAME", "MESSAGE_FIELDS", "OUTPUT_NAMES", "PARQUET_NAME", "PROMPT_STATUSES", "SUMMARY_NAME", "TIMELINE_NAME", "TRAINING_NAME",
     "TIME_KINDS", "OutputWriteError", "TrajectoryStream", "atomic_write", "atomic_write_text", "clear_outputs",
     "message_from_parquet", "parquet_message", "stage_seconds", "summarize_run", "summarize_step", "time_split",
     "trajectory_record", "write_parquet", "write_summary",
@@ -51,7 +51,8 @@ JSONL_NAME = "trajectories.jsonl"
 PARQUET_NAME = "trajectories.parquet"
 SUMMARY_NAME = "summary.json"
 TIMELINE_NAME = "timeline.png"
-OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME)
+TRAINING_NAME = "training.png"
+OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, TRAINING_NAME)
 
 
 def _json_safe(x: Any) -> Any:
