@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ..engine.lifecycle_types import StageRecord
 from ..output.engine_use import engine_use
 from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, TRAINING_NAME, summarize_run, summarize_step, write_parquet, write_summary
-from .rollout_prompts import prompt_statuses
+from .rollout_prompts import data_use, groups_per_step, prompt_statuses
 from .rollout_state import CommandRun, StepRecord
 
 if TYPE_CHECKING:  # the runtime package imports torch: not at this module's import (`agentloop --help`)
@@ -83,6 +83,8 @@ def finish_outputs(run: CommandRun) -> list[Path]:
         error=run.error,
         data=run.dataset.path,
         prompts=len(run.dataset.samples),
+        # Whether the run reused rows (a dataset smaller than what it drew), said once at the start too.
+        data_use=data_use(len(run.dataset.samples), run.drawn, groups_per_step(run.cfg)),
         bad_rows=len(run.dataset.bad_rows),
         engines=run.engine_urls or run.cfg.runtime.engine.urls,
         n=run.cfg.runtime.scheduler.n,
