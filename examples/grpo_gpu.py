@@ -375,7 +375,8 @@ def runtime_config(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     else:
         agent = {"agent": "single_turn", "max_assistant_turns": 1, "max_new_tokens_per_turn": args.max_new_tokens,
                  "max_response_tokens": args.max_new_tokens, "temperature": 1.0}
-    engine: dict[str, Any] = {"request_timeout": 300, "start_timeout": 600}
+    # request_timeout well under trajectory_timeout (300 s): a stuck request leaves time to retry it elsewhere.
+    engine: dict[str, Any] = {"request_timeout": 120, "start_timeout": 600}
     if args.no_sleep:
         engine["release_tags"] = []  # sleep disabled: weights, KV cache and CUDA graphs stay resident
     if args.engine == "sglang":
@@ -433,6 +434,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         t0 = time.monotonic()
+        print(f"starting the engine ({'launching SGLang' if args.engine == 'sglang' else 'embedded CPU engine'}, "
+              f"model {model_dir}) ...", flush=True)
         async with Runtime(runtime_config(args, model_dir), reward_fn=reward_fn) as rt:
             assert rt.lifecycle is not None
             # the dispatch hook lives on the lifecycle's gate (or, in older versions, the lifecycle)

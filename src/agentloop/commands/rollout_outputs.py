@@ -81,7 +81,8 @@ def finish_outputs(run: CommandRun) -> list[Path]:
         summaries,
         interrupted=run.interrupted,
         error=run.error,
-        data=run.dataset.path,
+        # As given, or the bundled prompts named as such (not the install's absolute path).
+        data=run.cfg.data if run.cfg.data is not None else "agentloop/data/arithmetic.jsonl (bundled)",
         prompts=len(run.dataset.samples),
         # Whether the run reused rows (a dataset smaller than what it drew), said once at the start too.
         data_use=data_use(len(run.dataset.samples), run.drawn, groups_per_step(run.cfg)),
