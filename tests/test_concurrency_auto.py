@@ -116,3 +116,18 @@ def test_engine_busy_fraction_of_a_throttled_step() -> None:
     assert total["span_seconds"] == 7 and total["concurrency"] == 2 and total["engine_capacity"] == 8
     assert total["generate_busy_fraction"] == pytest.approx((0.75 * 4 + 2 / 3 * 3) / 7, abs=1e-4)
     assert total_engine_use([None]) is None
+
+
+def test_the_progress_line_shows_concurrency_and_engine_busy() -> None:
+    import io
+
+    from agentloop.output.progress import RolloutProgress
+
+    buf = io.StringIO()
+    p = RolloutProgress(quiet=True, stream=buf)
+    p.begin_step(1, 2, 64)
+    p.end_step({"status": {"completed": 64}, "tool_calls": 70, "tokens_per_second": 3700.0,
+                "seconds": {"wake_up": 0.02, "sleep": 0.03},
+                "engine_use": {"concurrency": 32, "engine_capacity": 1024, "engine_busy_fraction": 0.0294,
+                               "generate_in_flight_mean": 30.1}})
+    assert "3700 tok/s; concurrency 32, engine busy 3% (30.1 of 1024 requests in flight on average);" in buf.getvalue()

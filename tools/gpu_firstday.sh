@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A GPU user's first day, measured: `agentloop rollout --engine-url` against SGLang serving the shipped tiny
+# A GPU user's first day, measured: `agentloop rollout --engine-url` (as `python3 -m agentloop rollout`: the GPU host runs
+# this checkout from PYTHONPATH, without installing it) against SGLang serving the shipped tiny
 # tool model, with default settings (scheduler.concurrency: auto) and again at --concurrency 256 and at 32
 # (the rollout command's old fixed default), the same data and shape each time (3 steps x 64 prompts x n 4).
 # Each run's summary.json says the concurrency used and why, and how busy that kept the engine
@@ -90,7 +91,7 @@ PY
   [ "$DRY" = 1 ] && SIZE="--steps 2 --prompts-per-step 4 --n 2"
   for run in default c256 c32; do
     case $run in default) extra="";; c256) extra="--concurrency 256";; c32) extra="--concurrency 32";; esac
-    cmd="agentloop rollout --engine-url $URL --data $WORK/prompts.jsonl $SIZE $extra --out $WORK/$run --quiet"
+    cmd="python3 -m agentloop rollout --engine-url $URL --data $WORK/prompts.jsonl $SIZE $extra --out $WORK/$run --quiet"
     say "$cmd"
     s=$(date +%s.%N)
     timeout -k 20 "${FIRSTDAY_RUN_LIMIT:-150}" $cmd >> "$LOG" 2>&1

@@ -124,7 +124,11 @@ class EngineConfig(_Strict):
         "takes such weights and then fails every sampled generate. Costs one sum per tensor: 2.8 s per GB of float32 "
         "on 2 busy CPU cores (benchmarks/results/weight_finite_check_cpu.json); on a GPU it runs on the device.",
     )
-    start_timeout: float = Field(180.0, gt=0, description="Seconds to wait for engine servers to come up.")
+    start_timeout: float = Field(
+        600.0, gt=0,
+        description="Seconds to wait for engine servers to come up (a server that exits is reported at once). A "
+        "launched SGLang's cold start on an H200 took 60-85 s plus ~80 s of JIT compile; the CPU engine starts in seconds.",
+    )
     settle_timeout: float = Field(60.0, gt=0, description="Seconds sleep waits for aborted requests to settle.")
     stage_timeout: float = Field(600.0, gt=0, description="Seconds one lifecycle stage may take on one server.")
 
