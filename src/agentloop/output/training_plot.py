@@ -146,7 +146,8 @@ def plot_training(steps: Sequence[StepStats | Any], path: str | Path, *, title: 
     for a in axes.flat:
         a.grid(alpha=0.3)
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
-        a.set_ylim(bottom=min(0, a.get_ylim()[0]))
+        lo, hi = a.get_ylim()
+        a.set_ylim(min(0, lo), hi + 0.05 * (hi - min(0, lo)))  # from 0, with room above the top point
     for a in axes[1]:
         a.set_xlabel("step")
     if title:
