@@ -2,7 +2,8 @@
 
 Modules: `core.py` (`Runtime`), `sync.py` (the blocking facade, `step_sync`), `types.py` (`StepResult`,
 `StepStream`, the step errors), `inputs.py` (a step's argument checks, before any wake-up), `metrics.py`
-(a step's numbers), `engines.py` (how engines, clients and the tokenizer are obtained).
+(a step's numbers), `engines.py` (how engines, clients and the tokenizer are obtained), `concurrency.py`
+(`scheduler.concurrency: auto`, from what the engines report they can run).
 """
 
 from .core import OnTrajectory, Runtime
