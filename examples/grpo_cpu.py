@@ -10,10 +10,18 @@ Each step:
    surrogate over the mask-1 (sampled) tokens of the batch, against the engine's rollout logprobs.
 4. The new state dict goes to the next `step`, so the engine's weight_version advances.
 
+It starts from a deliberately weakened tiny model (`agentloop.models.weak_tiny_tool_model`: the
+shipped model with seeded noise of `--noise` x each tensor's std on every weight; `--noise 0` trains the
+shipped model, which is already ~97% right, so its groups mostly have equal rewards and nothing to
+learn). `--eval-prompts K` evaluates the policy on K held-out questions (same sampling) before the
+first step and after the last; `--plot FILE.png` draws the reward curve.
+
 It also checks the data contract on the way: the trainer's logprobs of the sampled tokens must agree
 with the engine's (same weights, same tokens), which fails loudly if a mask or an offset is wrong.
 
-Run: `python examples/grpo_cpu.py --steps 3 --prompts 4 --n 4 [--out report.json]`.
+Run: `python examples/grpo_cpu.py --steps 3 --prompts 4 --n 4 [--out report.json]`; the learning
+demo of the README: `python examples/grpo_cpu.py --steps 12 --prompts 8 --n 8 --eval-prompts 64
+--out report.json --plot curve.png` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ def make_samples(step: int, num_prompts: int, seed: int) -> list[Sample]:
                agent="tool", reward="arithmetic", ground_truth=q.answer)
         for i, q in enumerate(qs)
     ]
+
+
+EVAL_SEED = 987654  # held-out questions: a seed no training step uses (steps use seed * 1000 + step)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e-6) -> torch.Tensor:
@@ -103,20 +114,41 @@ def grpo_update(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Rollo
 async def train(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    from agentloop.models import weak_tiny_tool_model
+
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    model_arg = args.model or (str(weak_tiny_tool_model(args.noise, args.seed)) if args.noise > 0 else None)
+    print(f"starting the embedded CPU engine ({model_arg or 'the shipped tiny tool model'}) ...", flush=True)
     config = {
-        "engine": {"model": args.model},
-        "scheduler": {"n": args.n, "concurrency": args.prompts * args.n, "trajectory_timeout": 300},
+        # request_timeout well under trajectory_timeout: a stuck request can still be retried elsewhere.
+        "engine": {"model": model_arg, "request_timeout": 120},
+        "scheduler": {"n": args.n, "concurrency": max(args.prompts * args.n, args.eval_prompts),
+                      "trajectory_timeout": 300},
         "agent": {"max_assistant_turns": 3, "max_new_tokens_per_turn": args.max_new_tokens,
                   "max_response_tokens": 3 * args.max_new_tokens + 64, "temperature": 1.0, "seed": None},
     }
-    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "steps": []}
+    report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "steps": [],
+                              "model": {"noise": args.noise if not args.model else None, "seed": args.seed,
+                                        "path": args.model or ("weak_tiny_tool_model" if args.noise > 0 else "tiny_tool_model")}}
+    t_run = time.monotonic()
     async with Runtime(config) as rt:
         model_dir = args.model or rt.model_path
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         weights: dict[str, torch.Tensor] | None = None  # step 1 serves the weights on disk
+
+        async def evaluate(tag: str) -> dict[str, Any]:
+            """The current policy on the held-out questions (the step's weights; not trained on)."""
+            ev = await rt.step(make_samples(0, args.eval_prompts, EVAL_SEED), weights, n=1)
+            out = {"reward_mean": float(ev.batch["rewards"].mean()), "questions": len(ev.trajectories),
+                   "weight_version": ev.weight_version, "status_counts": ev.metrics["status_counts"]}
+            print(f"held-out evaluation {tag}: reward {out['reward_mean']:.3f} over {out['questions']} questions",
+                  flush=True)
+            return out
+
+        if args.eval_prompts:
+            report["eval_before"] = await evaluate("before training")
         for step in range(1, args.steps + 1):
             t0 = time.monotonic()
             res = await rt.step(make_samples(step, args.prompts, args.seed), weights)
@@ -141,11 +173,41 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             }
             report["steps"].append(entry)
             print(f"step {step}: version={entry['weight_version']} reward={entry['reward_mean']:.3f} "
-                  f"loss={entry['loss']:+.4f} tool_calls={entry['tool_calls']} "
+                  f"loss={entry['loss']:+.4f} non-zero advantages={entry.get('nonzero_advantages', 0)} "
+                  f"tool_calls={entry['tool_calls']} "
                   f"logprob|diff|max={entry['logprob_max_abs_diff']:.2e} state={entry['lifecycle_state_after_step']}",
                   flush=True)
+        if args.eval_prompts:
+            report["eval_after"] = await evaluate("after training")
         report["generations_outside_awake"] = rt.lifecycle.generations_outside_awake
+    report["seconds"] = round(time.monotonic() - t_run, 1)
     return report
+
+
+def plot_curves(reports: list[dict[str, Any]], path: Path) -> None:
+    """Reward per step of each run (and its held-out evaluation before and after), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, rep in enumerate(reports):
+        steps = [s["step"] for s in rep["steps"]]
+        line, = ax.plot(steps, [s["reward_mean"] for s in rep["steps"]], "o-", label=f"run {i + 1}: rollout reward")
+        for key, x, marker in (("eval_before", 0, "s"), ("eval_after", max(steps, default=0), "D")):
+            if key in rep:
+                ax.plot([x], [rep[key]["reward_mean"]], marker, color=line.get_color(), markersize=9,
+                        label=f"run {i + 1}: held-out {key.removeprefix('eval_')}")
+    ax.set_xlabel("step (0 = before training)")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("GRPO on CPU: the weakened tiny tool model learns (examples/grpo_cpu.py)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,12 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
-    p.add_argument("--model", default=None, help="model folder (default: the shipped tiny tool model)")
+    p.add_argument("--noise", type=float, default=0.3,
+                   help="weight noise (x each tensor's std) of the weak starting model; 0: the shipped tiny model")
+    p.add_argument("--eval-prompts", type=int, default=0, help="held-out questions before and after (0: none)")
+    p.add_argument("--model", default=None, help="model folder (default: the weakened tiny tool model, see --noise)")
     p.add_argument("--out", default=None, help="write the per-step report as JSON here")
+    p.add_argument("--plot", default=None, help="draw the reward curve into this PNG")
+    p.add_argument("--plot-with", nargs="*", default=[], metavar="REPORT.json",
+                   help="earlier reports (--out) drawn in the same plot, e.g. a second run")
     args = p.parse_args(argv)
     report = anyio.run(train, args)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        earlier = [json.loads(Path(f).read_text()) for f in args.plot_with]
+        plot_curves([*earlier, report], Path(args.plot))
     return 0
 
 

@@ -43,7 +43,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import signal
 import sys
 import threading
@@ -84,22 +83,11 @@ def resolve_engine(engine: str) -> str:
 # ------------------------------------------------------------------ models
 def weak_checkpoint(folder: Path, noise: float, seed: int) -> Path:
     """The shipped tiny tool model with seeded Gaussian noise (`noise` x each tensor's std) added to
-    every weight: a deterministic, deliberately weak starting point (tokenizer and config unchanged)."""
-    from safetensors.torch import load_file, save_file
+    every weight: a deterministic, deliberately weak starting point (tokenizer and config unchanged).
+    The same checkpoint as `agentloop.models.weak_tiny_tool_model` (the CPU demos use it too)."""
+    from agentloop.models import weak_tiny_tool_model
 
-    from agentloop.models import tiny_tool_model
-
-    src = tiny_tool_model()
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, folder / f.name)
-    g = torch.Generator().manual_seed(seed)
-    weights = load_file(str(src / "model.safetensors"))
-    weak = {k: (v + torch.randn(v.shape, generator=g) * v.float().std() * noise).contiguous()
-            for k, v in sorted(weights.items())}
-    save_file(weak, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return weak_tiny_tool_model(noise, seed, folder=folder)
 
 
 def real_model_folder(folder: Path, engine: str, *, vocab_size: int) -> tuple[Path, dict[str, Any]]:
@@ -387,7 +375,8 @@ def runtime_config(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     else:
         agent = {"agent": "single_turn", "max_assistant_turns": 1, "max_new_tokens_per_turn": args.max_new_tokens,
                  "max_response_tokens": args.max_new_tokens, "temperature": 1.0}
-    engine: dict[str, Any] = {"request_timeout": 300, "start_timeout": 600}
+    # request_timeout well under trajectory_timeout (300 s): a stuck request leaves time to retry it elsewhere.
+    engine: dict[str, Any] = {"request_timeout": 120, "start_timeout": 600}
     if args.no_sleep:
         engine["release_tags"] = []  # sleep disabled: weights, KV cache and CUDA graphs stay resident
     if args.engine == "sglang":
@@ -445,6 +434,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         t0 = time.monotonic()
+        print(f"starting the engine ({'launching SGLang' if args.engine == 'sglang' else 'embedded CPU engine'}, "
+              f"model {model_dir}) ...", flush=True)
         async with Runtime(runtime_config(args, model_dir), reward_fn=reward_fn) as rt:
             assert rt.lifecycle is not None
             # the dispatch hook lives on the lifecycle's gate (or, in older versions, the lifecycle)

@@ -51,6 +51,7 @@ def main() -> None:
         "agent": {"agent": "openai", "function": "openai_calculator:calculator_agent"},
         "scheduler": {"n": args.n},
     }
+    print("starting the embedded CPU engine (a few seconds) ...", flush=True)
     with Runtime(config) as rt:
         for step in range(args.steps):
             samples = [Sample(uid=f"step{step}-q{i}", messages=[{"role": "user", "content": q.question}],

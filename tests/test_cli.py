@@ -277,3 +277,30 @@ def test_rollout_over_samples_target_groups_and_carries_over(tmp_path: Path, mon
     assert main([*base, "--steps", "2", "--prompts-per-step", "4", "--overwrite"]) == 0
     assert [[s.uid for s in step] for step in _FakeRuntime.launched] == [["p0", "p1", "p2", "p3"],
                                                                         ["p4", "p5", "p6", "p7"]]
+
+
+def test_small_dataset_wrapping_is_said_once_and_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """3 rows, 4 prompts a step for 2 steps: rows are reused (uid@lap), said once before the run on
+    stderr and recorded in summary.json's data_use; a dataset that suffices says nothing."""
+    import agentloop.runtime
+
+    monkeypatch.setattr(agentloop.runtime, "Runtime", _FakeRuntime)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"p{i}", "prompt": f"q{i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    base = ["rollout", "--data", str(data), "--out", str(out), "--n", "2", "-q", "--no-timeline"]
+    _FakeRuntime.launched = []
+    assert main([*base, "--steps", "2", "--prompts-per-step", "4"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("agentloop rollout: note: the data has 3 row(s)") == 1
+    assert "draw up to 8: rows are reused in order, wrapping around, up to 3 times each" in err
+    assert "4 prompts per step > 3 rows, so each step repeats rows within itself" in err
+    assert [[s.uid for s in step] for step in _FakeRuntime.launched] == [["p0", "p1", "p2", "p0@1"],
+                                                                        ["p1@1", "p2@1", "p0@2", "p1@2"]]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_use"] == {"rows": 3, "prompts_drawn": 8, "laps": 3, "wrapped": True}
+    assert main([*base, "--steps", "1", "--prompts-per-step", "3", "--overwrite"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["data_use"] == {"rows": 3, "prompts_drawn": 3, "laps": 1, "wrapped": False}

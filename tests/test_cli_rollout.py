@@ -124,6 +124,15 @@ def test_default_embedded_rollout_does_real_tool_calls(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bad_rows"] == 1 and summary["total"]["reward_mean"] is not None
     assert summary["total"]["trajectories_with_tool_call"] >= len(rows) / 2
+    # concurrency: auto on the CPU engine is its default; every step says how busy that kept the engine.
+    assert summary["concurrency"]["setting"] == "auto" and summary["concurrency"]["used"] == 64
+    assert summary["concurrency"]["engine_capacity"] == 64  # the CPU engine's max running requests
+    for ps in summary["per_step"]:
+        use = ps["engine_use"]
+        assert use["concurrency"] == 64 and use["engine_capacity"] == 64
+        assert 0 < use["engine_busy_fraction"] <= 8 / 64 + 1e-9  # at most 8 trajectories per step
+        assert 0 < use["generate_busy_fraction"] <= 1
+    assert "concurrency 64, engine busy" in res.stderr
     # `extra` from the data row is carried through to the trajectory.
     assert all("expected_calls" in r["extra"] for r in rows)
     print(f"default rollout: {wall:.1f}s wall, {summary['total']['tokens_per_second']:.0f} tok/s")

@@ -67,7 +67,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_engine_st
         blocker.write_text("x")
         out, says = blocker / "out", f"--out {blocker / 'out'}: {blocker} is not a folder"
     else:  # a folder nobody may create files in, whatever the permissions say (root included)
-        out, says = Path("/proc/agentloop-out"), "--out /proc/agentloop-out: cannot write there (/proc:"
+        out, says = Path("/proc/agentloop-out"), ("--out /proc/agentloop-out: cannot be created: its nearest existing "
+                                                  "parent, /proc, does not accept new files or folders (the system says:")
     r = rollout("--engine-url", DEAD_URL, "--out", str(out))
     assert_refused_before_start(r, says)
 

@@ -39,7 +39,7 @@ from ..config.rollout import ConfigError, RolloutConfig, load_config
 from .rollout_args import overrides_from_args
 from .rollout_checks import model_problem, preflight, previous_run
 from .rollout_outputs import finish_outputs, preload_output_modules, print_result, step_summary, write_failure_message
-from .rollout_prompts import groups_per_step, launched_groups, step_prompts, take_prompts
+from .rollout_prompts import groups_per_step, launched_groups, step_prompts, take_prompts, wrap_notice
 from .rollout_state import CommandRun, StepRecord
 from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
@@ -71,22 +71,26 @@ async def _run_steps(run: CommandRun) -> None:
         await runtime.start()
         assert runtime.lifecycle is not None
         run.engine_urls = list(runtime.lifecycle.urls)
+        c = getattr(runtime, "concurrency", None)  # a runtime given by a test may not resolve one
+        if c is not None:
+            cap = f", the engines run {c.engine_capacity} requests at once" if c.engine_capacity else ""
+            run.progress.message(f"concurrency {c.used} trajectories in flight ({c.rule}{cap})")
         # Engines are up: only now is the output folder touched, so a failed start leaves nothing.
         out.mkdir(parents=True, exist_ok=True)
         clear_outputs(out)
         run.stream = TrajectoryStream(out).open()
         carry: list[Sample] = []
         per_step = groups_per_step(cfg)
-        drawn = 0  # rows taken from the dataset so far
         for step in range(1, cfg.steps + 1):
             if per_step is None:
                 fresh = step_prompts(run.dataset.samples, step, None)
+                run.drawn += len(fresh)
             else:
                 # Groups carried over from the last step (over-sampling's unfinished ones) are part
                 # of this step's launch, as in the scheduler's feeder contract: fresh rows fill the rest.
                 count = max(0, per_step - len({s.group_id for s in carry}))
-                fresh = take_prompts(run.dataset.samples, drawn, count)
-                drawn += count
+                fresh = take_prompts(run.dataset.samples, run.drawn, count)
+                run.drawn += count
             prompts = carry + fresh
             by_group = {p.group_id or p.uid: p for p in prompts}
             n = cfg.runtime.scheduler.n
@@ -136,7 +140,7 @@ async def _run_steps(run: CommandRun) -> None:
                         await done(s.resume_from)
             else:
                 rec.carried = {s.group_id or s.uid for s in carry}
-            run.progress.end_step(step_summary(rec))
+            run.progress.end_step(step_summary(rec, getattr(runtime, "concurrency", None)))
             if run.interrupted or run.write_errors:
                 break
     finally:
@@ -179,7 +183,7 @@ async def _main(run: CommandRun) -> int:
         with anyio.CancelScope(shield=True):
             if run.stream is not None:
                 # Seconds on a small machine (Parquet, the plot): say so rather than look stuck.
-                files = "trajectories.parquet, summary.json" + (", timeline.png" if run.cfg.timeline else "")
+                files = "trajectories.parquet, summary.json" + (", timeline.png, training.png" if run.cfg.timeline else "")
                 run.progress.message(f"writing {files} to {run.cfg.out} ...")
             run.written = await anyio.to_thread.run_sync(finish_outputs, run)
         if run.write_errors:
@@ -218,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
         more = f"\n  ... and {len(dataset.bad_rows) - 10} more" if len(dataset.bad_rows) > 10 else ""
         print(f"agentloop rollout: skipped {len(dataset.bad_rows)} bad row(s) of {dataset.path} "
               f"(on_bad_row=skip):\n  {shown}{more}", file=sys.stderr)
+    wrap = wrap_notice(len(dataset.samples), groups_per_step(cfg), cfg.steps)
+    if wrap:  # said once, before the run; summary.json's data_use records what was drawn
+        print(f"agentloop rollout: note: {wrap}", file=sys.stderr)
     state = CommandRun(cfg, dataset, progress)
     try:
         with progress:

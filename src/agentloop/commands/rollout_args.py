@@ -25,10 +25,20 @@ def _default(dotted: str) -> Any:
     return obj
 
 
+def _concurrency(text: str) -> int | str:
+    """`--concurrency`: a positive integer or `auto` (range checks are the config's, which names the flag)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "rollout",
-        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png)",
+        help="roll out a prompt dataset into trajectories (JSONL, Parquet, summary.json, timeline.png, training.png)",
         description="Turn a prompt dataset into trajectory files, one training step at a time. "
         "Defaults of every setting: `agentloop config --show`.",
     )
@@ -50,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--steps", type=int, metavar="N", help=h("steps", "steps (wake-up → roll out → sleep)"))
     p.add_argument("--prompts-per-step", type=int, metavar="N", help=h("prompts_per_step", "prompts per step"))
     p.add_argument("--n", type=int, metavar="N", help=h("n", "trajectories per prompt (GRPO group size)"))
-    p.add_argument("--concurrency", type=int, metavar="N", help=h("concurrency", "trajectories in flight at once"))
+    p.add_argument("--concurrency", type=_concurrency, metavar="N|auto",
+                   help=h("concurrency", "trajectories in flight at once; auto: what the engines can run"))
     p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "tokens per model turn"))
     p.add_argument("--temperature", type=float, metavar="T", help=h("temperature", "sampling temperature"))
     p.add_argument("--seed", type=int, metavar="S", help=h("seed", "sampling seed: makes the run repeatable; each sample and turn gets its own "
@@ -69,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="set any config field by its dotted name, VALUE parsed as YAML "
                    "(e.g. --set runtime.scheduler.trajectory_timeout=30)")
     p.add_argument("-q", "--quiet", action="store_true", default=None, help="plain log lines instead of the live display")
-    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png")
+    p.add_argument("--no-timeline", dest="timeline", action="store_false", default=None, help="do not draw timeline.png and training.png")
     return p
 
 

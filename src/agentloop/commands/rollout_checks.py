@@ -29,7 +29,12 @@ def out_folder_problem(out: Path) -> str | None:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        return f"--out {out}: cannot write there ({probe}: {e.strerror or e})"
+        # The errno alone misleads: creating in /proc fails with "No such file or directory" although
+        # /proc exists. Say which folder refused new files, then the system's reason.
+        if probe == out:
+            return f"--out {out}: files cannot be created in this folder (the system says: {e.strerror or e})"
+        return (f"--out {out}: cannot be created: its nearest existing parent, {probe}, does not accept new "
+                f"files or folders (the system says: {e.strerror or e})")
     return None
 
 

@@ -1,5 +1,6 @@
-"""What an `agentloop rollout` run leaves and says at its end: trajectories.parquet, summary.json and
-timeline.png for what finished (each tried even when another cannot be written, failures recorded),
+"""What an `agentloop rollout` run leaves and says at its end: trajectories.parquet, summary.json,
+timeline.png and training.png (reward, length, tool calls, status, tokens/s per step) for what
+finished (each tried even when another cannot be written, failures recorded),
 the step summaries they are built from, and the lines printed: the result, or what could not be
 written and where the run's data is. The file formats themselves are `agentloop.output`.
 """
@@ -10,14 +11,18 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..engine.lifecycle import StageRecord
+from ..output.engine_use import engine_use
 from ..output.parquet import write_parquet
 from ..output.summary import summarize_run, summarize_step, write_summary
-from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME
-from .rollout_prompts import prompt_statuses
+from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, TRAINING_NAME
+from .rollout_prompts import data_use, groups_per_step, prompt_statuses
 from .rollout_state import CommandRun, StepRecord
+
+if TYPE_CHECKING:  # the runtime package imports torch: not at this module's import (`agentloop --help`)
+    from ..runtime.concurrency import ConcurrencyInfo
 
 __all__ = ["finish_outputs", "preload_output_modules", "print_result", "step_summary", "write_failure_message"]
 
@@ -41,13 +46,15 @@ def _attempt(run: CommandRun, name: str, write: Callable[[], Path | None]) -> Pa
         return None
 
 
-def step_summary(rec: StepRecord) -> dict[str, Any]:
+def step_summary(rec: StepRecord, concurrency: "ConcurrencyInfo | None" = None) -> dict[str, Any]:
     rollout = rec.metrics.get("rollout_seconds")
     if not isinstance(rollout, (int, float)) or not math.isfinite(rollout):
         rollout = _rollout_window(rec.records)
+    use = engine_use(rec.trajectories, concurrency=concurrency.used if concurrency else None,
+                     engine_capacity=concurrency.engine_capacity if concurrency else None)
     return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
                           rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"),
-                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried))
+                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried), engine_use=use)
 
 
 def preload_output_modules() -> None:
@@ -56,13 +63,13 @@ def preload_output_modules() -> None:
         import pyarrow.parquet  # noqa: F401
         from matplotlib.backends import backend_agg  # noqa: F401
 
-        from ..output import timeline
+        from ..output import timeline, training_plot  # noqa: F401
     except Exception:  # noqa: BLE001
         pass
 
 
 def finish_outputs(run: CommandRun) -> list[Path]:
-    """Close the stream and write Parquet, summary.json and timeline.png for what finished."""
+    """Close the stream and write Parquet, summary.json, timeline.png and training.png for what finished."""
     if run.stream is None:
         return []
     out = Path(run.cfg.out)
@@ -70,16 +77,22 @@ def finish_outputs(run: CommandRun) -> list[Path]:
     rows = [(rec.step, t) for rec in run.steps for t in rec.trajectories]
     written = [_attempt(run, stream.partial.name, stream.close),
                _attempt(run, PARQUET_NAME, lambda: write_parquet(out / PARQUET_NAME, rows))]
-    summaries = [step_summary(rec) for rec in run.steps]
+    concurrency = getattr(run.runtime, "concurrency", None)
+    summaries = [step_summary(rec, concurrency) for rec in run.steps]
     summary = summarize_run(
         summaries,
         interrupted=run.interrupted,
         error=run.error,
-        data=run.dataset.path,
+        # As given, or the bundled prompts named as such (not the install's absolute path).
+        data=run.cfg.data if run.cfg.data is not None else "agentloop/data/arithmetic.jsonl (bundled)",
         prompts=len(run.dataset.samples),
+        # Whether the run reused rows (a dataset smaller than what it drew), said once at the start too.
+        data_use=data_use(len(run.dataset.samples), run.drawn, groups_per_step(run.cfg)),
         bad_rows=len(run.dataset.bad_rows),
         engines=run.engine_urls or run.cfg.runtime.engine.urls,
         n=run.cfg.runtime.scheduler.n,
+        # What scheduler.concurrency resolved to and why; per step, engine_use says how busy that kept the engines.
+        concurrency=concurrency.as_dict() if concurrency is not None else None,
         started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(run.started)),
         wall_seconds=round(time.time() - run.started, 3),
         write_errors=list(run.write_errors),
@@ -90,6 +103,12 @@ def finish_outputs(run: CommandRun) -> list[Path]:
 
         panels = [StepTimeline(rec.step, rec.trajectories, rec.records) for rec in run.steps]
         written.append(_attempt(run, TIMELINE_NAME, lambda: plot_timeline(panels, out / TIMELINE_NAME)))
+    if run.cfg.timeline and any(rec.trajectories for rec in run.steps):
+        from ..output.training_plot import plot_training, step_stats
+
+        stats = [step_stats(rec.step, rec.trajectories, rec.metrics.get("rollout_seconds"))
+                 for rec in run.steps if rec.trajectories]
+        written.append(_attempt(run, TRAINING_NAME, lambda: plot_training(stats, out / TRAINING_NAME)))
     return [p for p in written if p is not None]
 
 

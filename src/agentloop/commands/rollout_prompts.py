@@ -4,6 +4,10 @@ Owns the walk over the dataset: rows are taken in order and wrap around (a later
 uid so groups stay unique across the run's output), and how many prompt groups a step launches
 (`prompts_per_step`, or over-sampling's ceil(target_groups x oversample_factor)), and what became
 of each launched prompt (`prompt_statuses`, listed in summary.json).
+
+A dataset smaller than what the run draws is reused, not refused (a few rows for many steps is an
+ordinary epoch loop), but never silently: `wrap_notice` is said once before the run starts and
+summary.json's `data_use` (`data_use`) records the rows, the prompts drawn and the laps.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> 
     if per_step is None:
         return take_prompts(samples, (step - 1) * len(samples), len(samples))
     return take_prompts(samples, (step - 1) * per_step, per_step)
+
+
+def wrap_notice(rows: int, per_step: int | None, steps: int) -> str | None:
+    """One line saying that the run will reuse rows (None when it will not, or takes every row each step)."""
+    if per_step is None or rows <= 0 or per_step * steps <= rows:
+        return None
+    drawn = per_step * steps
+    laps = -(-drawn // rows)
+    within = (f"; {per_step} prompts per step > {rows} rows, so each step repeats rows within itself (more "
+              f"trajectories of one prompt: --n)" if per_step > rows else "")
+    return (f"the data has {rows} row(s) and {steps} step(s) x {per_step} prompts draw up to {drawn}: rows are "
+            f"reused in order, wrapping around, up to {laps} times each (a reuse's uid gets @1, @2, ...){within}")
+
+
+def data_use(rows: int, drawn: int, per_step: int | None) -> dict[str, int | bool]:
+    """summary.json's `data_use`: rows, fresh prompts drawn, laps over the data, whether it wrapped."""
+    return {"rows": rows, "prompts_drawn": drawn, "laps": -(-drawn // rows) if rows else 0,
+            "wrapped": per_step is not None and drawn > rows}
 
 
 def groups_per_step(cfg: RolloutConfig) -> int | None:

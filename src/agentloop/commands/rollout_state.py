@@ -48,3 +48,5 @@ class CommandRun:
     in_step: bool = False
     #: Output files that could not be written ("name: reason"); the first stops the run.
     write_errors: list[str] = field(default_factory=list)
+    #: Fresh prompts drawn from the dataset so far (more than its rows: it wrapped around).
+    drawn: int = 0

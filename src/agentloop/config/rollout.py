@@ -33,8 +33,10 @@ from ..yaml_strict import safe_load as strict_yaml_load
 #: `agentloop config --show` marks as the command's, next to the library's default).
 #: Small turns keep the default CPU run (16 prompts x 2, 2 steps) well under a minute on 2 cores.
 #: (The embedded engine runs one torch thread: `agentloop serve`'s own default, `engine.local.num_threads`.)
+#: Concurrency is the library's `auto` (what the engines can run: 64 on the CPU engine, the servers'
+#: max running requests on SGLang): a fixed 32 here throttled SGLang on an H200 to waves of 32.
 ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
-    "scheduler": {"n": 2, "concurrency": 32},
+    "scheduler": {"n": 2},
     "agent": {
         "max_assistant_turns": 4,
         "max_new_tokens_per_turn": 64,
@@ -98,7 +100,7 @@ class RolloutConfig(BaseModel):
         description="Prompt dataset (.jsonl or .parquet). None: the bundled arithmetic prompts "
         "(agentloop/data/arithmetic.jsonl).",
     )
-    out: str = Field("agentloop-out", description="Output folder: trajectories.jsonl/.parquet, summary.json, timeline.png.")
+    out: str = Field("agentloop-out", description="Output folder: trajectories.jsonl/.parquet, summary.json, timeline.png, training.png.")
     steps: int = Field(2, ge=1, description="Training steps to run: each is wake-up → roll out → sleep.")
     prompts_per_step: int | None = Field(
         16,
@@ -117,7 +119,8 @@ class RolloutConfig(BaseModel):
         "(exit 2) before any engine starts, so a re-run never deletes earlier results silently.",
     )
     quiet: bool = Field(False, description="Plain log lines instead of the live progress display.")
-    timeline: bool = Field(True, description="Draw timeline.png (trajectories over time, lifecycle stages).")
+    timeline: bool = Field(True, description="Draw timeline.png (trajectories over time, lifecycle stages) and "
+                           "training.png (reward, response length, tool calls, status, tokens/s per step).")
     runtime: RuntimeConfig = Field(
         default_factory=lambda: RuntimeConfig.model_validate(ROLLOUT_RUNTIME_DEFAULTS),
         description="Runtime settings: engines, scheduler, agent loops (agentloop.config.RuntimeConfig).",

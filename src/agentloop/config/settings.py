@@ -151,7 +151,11 @@ class EngineConfig(_Strict):
         "takes such weights and then fails every sampled generate. Costs one sum per tensor: 2.8 s per GB of float32 "
         "on 2 busy CPU cores (benchmarks/results/weight_finite_check_cpu.json); on a GPU it runs on the device.",
     )
-    start_timeout: float = Field(180.0, gt=0, description="Seconds to wait for engine servers to come up.")
+    start_timeout: float = Field(
+        600.0, gt=0,
+        description="Seconds to wait for engine servers to come up (a server that exits is reported at once). A "
+        "launched SGLang's cold start on an H200 took 60-85 s plus ~80 s of JIT compile; the CPU engine starts in seconds.",
+    )
     settle_timeout: float = Field(60.0, gt=0, description="Seconds sleep waits for aborted requests to settle.")
     stage_timeout: float = Field(600.0, gt=0, description="Seconds one lifecycle stage may take on one server.")
 
@@ -175,10 +179,21 @@ class EngineConfig(_Strict):
         return "embedded"
 
 
+#: `scheduler.concurrency: auto` on the embedded CPU engine, for a server that reports no capacity, and
+#: in a Scheduler used without a Runtime (nothing resolved it): the library's measured default before auto.
+CPU_ENGINE_CONCURRENCY = 64
+
+
 class SchedulerConfig(_Strict):
     """How one step's trajectories are run: limits, GRPO groups, timeouts, over-sampling."""
 
-    concurrency: int = Field(64, ge=1, description="Most trajectories in flight at once (all servers together).")
+    concurrency: int | Literal["auto"] = Field(
+        "auto",
+        description="Most trajectories in flight at once (all servers together). auto: what the engines can run, "
+        "read when the runtime starts: on SGLang the sum of the servers' max running requests (/server_info "
+        "internal_states[].effective_max_running_requests_per_dp), on the embedded CPU engine 64; see "
+        "agentloop.runtime.concurrency. summary.json's `concurrency` says what was used and why.",
+    )
     per_server_concurrency: int | None = Field(
         None, ge=1, description="Most generate requests in flight on one server (None: no per-server limit)."
     )
@@ -263,6 +278,18 @@ class SchedulerConfig(_Strict):
         "CPU per token in a process with a large heap. Process-wide while the step runs (cycles among older "
         "objects are collected after it); skipped if anything else has frozen objects. See agentloop.gc_scope.",
     )
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _int_or_auto(cls, v: Any) -> Any:
+        # One message for the union (pydantic would give one per member, under odd location names).
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.strip().isdigit()):
+            raise ValueError("Input should be a valid integer or 'auto'")
+        if int(v) < 1:
+            raise ValueError("Input should be greater than or equal to 1 (or 'auto')")
+        return int(v)
 
     @field_validator("group_filter")
     @classmethod

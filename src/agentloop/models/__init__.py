@@ -2,14 +2,15 @@
 
 `tiny_tool_model()` locates the tiny tool-calling model that ships as package data in
 `src/agentloop/models/tiny_tool/` (trained by `tools/train_tiny_model.py`; see its MODEL_CARD.md).
-Random-weight test models live in `random_model.py`.
+Random-weight test models live in `random_model.py`; `weak_tiny_tool_model()` (`weak.py`) is the tiny
+model with seeded noise on its weights, a weak start for demos that must show learning.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["tiny_tool_model"]
+__all__ = ["tiny_tool_model", "weak_tiny_tool_model"]
 
 _TINY_TOOL_DIR = Path(__file__).resolve().parent / "tiny_tool"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -29,3 +30,6 @@ def tiny_tool_model() -> Path:
             "(package data not installed? rebuild with `python tools/train_tiny_model.py`)"
         )
     return _TINY_TOOL_DIR
+
+
+from .weak import weak_tiny_tool_model  # noqa: E402  (it uses tiny_tool_model, defined above)

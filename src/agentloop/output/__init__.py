@@ -1,8 +1,9 @@
 """Data out: the output folder (JSONL stream, Parquet, summary numbers, files written whole), plots, progress.
 
 Modules: `writer.py` (the trajectory stream and the folder's names), `parquet.py`, `summary.py`
-(summary.json's numbers), `atomic_file.py` (files written whole), `timeline.py` (the timeline plot),
-`progress.py` (the progress line of `agentloop rollout`).
+(summary.json's numbers), `engine_use.py` (how busy a step kept the engines), `atomic_file.py` (files
+written whole), `timeline.py` (the timeline plot), `training_plot.py` (training.png: the training signal
+per step, also from a trainer's StepResults), `progress.py` (the progress line of `agentloop rollout`).
 """
 
 from .atomic_file import atomic_write

@@ -119,6 +119,13 @@ class RolloutProgress:
         if self._progress is not None and self._task is not None:
             self._progress.stop_task(self._task)  # freezes its elapsed time
         rate = f"{tps:.0f} tok/s; " if tps is not None else ""
+        use = summary.get("engine_use") or {}
+        if use.get("concurrency") is not None:
+            # So a throttled run is visible: the concurrency used against what the engines could run.
+            busy = use.get("engine_busy_fraction")
+            rate += (f"concurrency {use['concurrency']}, engine busy "
+                     + (f"{busy:.0%} ({use['generate_in_flight_mean']:.1f} of {use['engine_capacity']} requests "
+                        f"in flight on average); " if busy is not None else "n/a; "))
         self.message(
             f"step {self._step}/{self._steps} done: {st.get('completed', 0)} completed, "
             f"{st.get('truncated', 0)} truncated, {st.get('aborted', 0)} aborted, {st.get('failed', 0)} failed; "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .atomic_file import atomic_write_text
+from .engine_use import total_engine_use
 from ..engine.lifecycle import StageRecord
 from ..types import STATUSES, Trajectory
 
@@ -67,8 +68,10 @@ def summarize_step(
     rollout_seconds: float | None = None,
     weight_version: str | None = None,
     prompts: Mapping[str, str] | None = None,
+    engine_use: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The numbers of one step. `rollout_seconds` (wall time of the roll-out phase) is the
+    """The numbers of one step. `engine_use` (`agentloop.output.engine_use`: concurrency used, engine
+    busy fraction) is listed as given. `rollout_seconds` (wall time of the roll-out phase) is the
     denominator of tokens/s; without it, the span of the trajectories' timeline events is used.
     `prompts` (uid → one of `PROMPT_STATUSES`) is listed and counted as given."""
     statuses = Counter(t.status for t in trajectories)
@@ -107,6 +110,7 @@ def summarize_step(
         "trajectory_seconds": {k: round(v, 6) for k, v in split.items()},
         "wake_up_stages": stages["wake_up"],
         "sleep_stages": stages["sleep"],
+        **({} if engine_use is None else {"engine_use": dict(engine_use)}),
         **({} if prompts is None else {"prompt_status": _prompt_counts(prompts.values()), "prompts": dict(prompts)}),
     }
 
@@ -149,6 +153,8 @@ def summarize_run(steps: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any
         "wake_up_stages": wake,
         "sleep_stages": sleep,
     }
+    if any("engine_use" in s for s in steps):
+        totals["engine_use"] = total_engine_use(s.get("engine_use") for s in steps)
     if any("prompts" in s for s in steps):
         totals["prompt_status"] = _prompt_counts(v for s in steps for v in s.get("prompts", {}).values())
     clash = info.keys() & (totals.keys() | {"total", "per_step"})

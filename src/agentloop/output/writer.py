@@ -36,7 +36,7 @@ from .atomic_file import FILE_MODE
 from ..types import Trajectory
 
 __all__ = [
-    "JSONL_NAME", "OUTPUT_NAMES", "PARQUET_NAME", "SUMMARY_NAME", "TIMELINE_NAME", "OutputWriteError",
+    "JSONL_NAME", "OUTPUT_NAMES", "PARQUET_NAME", "SUMMARY_NAME", "TIMELINE_NAME", "TRAINING_NAME", "OutputWriteError",
     "TrajectoryStream", "clear_outputs", "trajectory_record",
 ]
 
@@ -44,7 +44,8 @@ JSONL_NAME = "trajectories.jsonl"
 PARQUET_NAME = "trajectories.parquet"
 SUMMARY_NAME = "summary.json"
 TIMELINE_NAME = "timeline.png"
-OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME)
+TRAINING_NAME = "training.png"
+OUTPUT_NAMES = (JSONL_NAME, PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, TRAINING_NAME)
 
 
 def _json_safe(x: Any) -> Any:

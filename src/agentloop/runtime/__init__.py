@@ -4,7 +4,8 @@ Modules: `core.py` (`Runtime`), `sync.py` (the blocking facade, `step_sync`), `t
 `StepStream`, the step errors), `inputs.py` (a step's argument checks, before any wake-up), `metrics.py`
 (a step's numbers), `assembly.py` (lifecycle, router, scheduler, tools from config; where the agent
 loops run: `LocalRollout`), `backends.py` (where the engines come from: one strategy per `engine`
-mode), `engines.py` (how engines, clients and the tokenizer are obtained).
+mode), `engines.py` (how engines, clients and the tokenizer are obtained), `concurrency.py`
+(`scheduler.concurrency: auto`, from what the engines report they can run).
 """
 
 from .core import OnTrajectory, Runtime

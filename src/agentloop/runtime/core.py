@@ -49,6 +49,7 @@ from .assembly import LocalRollout, RolloutBackend, RolloutParts, load_tools, ma
 from .backends import EngineBackend, engine_backend
 from .engines import fit_context_to_engines, load_tokenizer
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .concurrency import ConcurrencyInfo, resolve_concurrency
 from .metrics import step_metrics
 from .sync import SyncFacade
 from .types import (
@@ -111,6 +112,8 @@ class Runtime(SyncFacade):
         self._row_numbers = itertools.count(1)  #: numbers the uids generated for dict rows given to `step`
         #: Smallest usable context (prompt + response) the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
+        #: What scheduler.concurrency resolved to at start, and why (`agentloop.runtime.concurrency`).
+        self.concurrency: ConcurrencyInfo | None = None
         self._step_lock = anyio.Lock()
         #: What `start` started, each part's teardown registered as it started (run in reverse by `stop`).
         self._teardown: contextlib.AsyncExitStack | None = None
@@ -146,6 +149,8 @@ class Runtime(SyncFacade):
                 self.tokenizer = await load_tokenizer(ecfg, self.model_path, self.clients)
             # Lower agent.max_context_tokens to the engines' usable context (a copy of the config).
             self.config, self.engine_context_length = await fit_context_to_engines(self.config, self.clients)
+            # `scheduler.concurrency: auto` becomes a number from what the engines can run.
+            self.config, self.concurrency = await resolve_concurrency(self.config, self.clients)
             lc = self.lifecycle = make_lifecycle(self.clients, self.config, self.model_path)
             stack.push_async_callback(self._leave_engines, lc)
             await lc.attach()  # each server's real memory state, before any lifecycle call

@@ -35,7 +35,7 @@ from typing import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 import anyio
 import anyio.abc
 
-from ..config.settings import SchedulerConfig
+from ..config.settings import CPU_ENGINE_CONCURRENCY, SchedulerConfig
 from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 from .book import GroupBook, expand_samples
@@ -108,7 +108,9 @@ class ScheduleRun:
         if cfg.target_groups is not None and cfg.target_groups > book.num_groups and self.feeder is None:
             log.warning("target_groups=%d but only %d groups in this step: waiting for all", cfg.target_groups, book.num_groups)
         t0 = self.clock()
-        self._limit = anyio.Semaphore(cfg.concurrency)
+        # `auto` is resolved by the Runtime from the engines (agentloop.runtime.concurrency); a scheduler
+        # used on its own (verl's AgentLoopManager, tests) has no engine to ask and keeps the CPU default.
+        self._limit = anyio.Semaphore(cfg.concurrency if isinstance(cfg.concurrency, int) else CPU_ENGINE_CONCURRENCY)
         async with anyio.create_task_group() as outer:
             if cfg.trajectory_timeout is not None or self.watchdog.hung_timeout is not None:
                 outer.start_soon(self.watchdog.run)

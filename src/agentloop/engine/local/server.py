@@ -219,7 +219,10 @@ async def server_info(request: web.Request) -> web.Response:
         "engine": "agentloop-cpu",
         "version": agentloop.__version__,
         # SGLang's free-form scheduler state; the CPU engine's logprob mode sits here, not in the args.
-        "internal_states": [{**stats, "return_original_logprob": engine.scheduler.original_logprob}],
+        # effective_max_running_requests_per_dp: SGLang's running-batch cap per DP rank, where
+        # `scheduler.concurrency: auto` reads it (agentloop.runtime.concurrency).
+        "internal_states": [{**stats, "return_original_logprob": engine.scheduler.original_logprob,
+                             "effective_max_running_requests_per_dp": engine.scheduler.max_running_requests}],
     })
 
 

@@ -19,7 +19,9 @@ with no partial response, a reset/broken pipe, or the body could not be written)
 an unanswered request (it answers errors with a status), so that close is its idle timeout racing our
 write and the request was never read; a server that died while it held the request refuses the
 repeat's connection, so nothing runs twice. A failure after the response started is never repeated.
-Each server's reachability is logged once per change (unreachable, reachable again), not per request.
+Each server's reachability is logged once per change (unreachable, reachable again), not per request;
+a server never reached yet is not warned about (a server still starting is polled; a wrong URL is the
+caller's error, which carries the same reason).
 
 Response bodies are capped (`max_response_bytes`, 256 MiB: a 32k-token generate with 20 top logprobs
 per token is ~20 MB): a server that answers with an endless or enormous body gets an `EngineError`
@@ -175,10 +177,17 @@ class HttpTransport:
         return self._session
 
     def _reachable_now(self, reachable: bool, why: str = "") -> None:
-        """Log a change of this server's reachability once (not once per request)."""
+        """Log a change of this server's reachability once (not once per request).
+
+        Only a server that answered before and stops is a warning here: one never reached yet (a
+        server still starting, polled until it answers; a wrong URL) is its caller's to report, with
+        the same error in its message, so it is not said twice (or at all, while a start is awaited)."""
         if reachable == self.reachable:
             return
         if not reachable:
+            if self.reachable is None:
+                log.debug("engine server %s not reachable (yet): %s", self.url, why)
+                return  # still None: the first failure is not a change from a known state
             log.warning("engine server %s unreachable: %s", self.url, why)
         elif self.reachable is False:
             log.info("engine server %s reachable again", self.url)

@@ -1,0 +1,115 @@
+"""`scheduler.concurrency: auto`: how many trajectories a step runs at once, from what the engines can run.
+
+A default made for the CPU engine (a few dozen requests per batch) throttles SGLang on a GPU, which runs
+hundreds to thousands of requests in one batch; a number nobody chose should come from the server. The
+rule, applied once when the runtime has its engines (`resolve_concurrency`):
+
+- Every server is the embedded CPU engine (its `/server_info` says `engine: agentloop-cpu`): the CPU
+  default, `CPU_ENGINE_CONCURRENCY` (64, the library's measured default before `auto`).
+- Otherwise the sum over servers of what each one admits at once (`server_capacity`), read from
+  SGLang's `/server_info` (0.5.x, `http_server.get_server_info` = the server args + the scheduler's
+  init info + one `internal_states` entry per data-parallel rank, from `Scheduler.get_internal_state`):
+  the sum of `internal_states[*].effective_max_running_requests_per_dp` (the scheduler's running-batch
+  cap after SGLang derived it from the KV pool, `max_total_num_tokens`, and `--max-running-requests`);
+  without it, the `max_running_requests` server arg (null unless given at launch) times `dp_size`.
+  A server that reports neither (or cannot be asked) counts as `CPU_ENGINE_CONCURRENCY`, and says so.
+
+`max_total_num_tokens` (the KV pool's size in tokens) is reported alongside: SGLang already caps its
+running batch by it, so it is not applied twice; a step whose trajectories outgrow the pool makes
+SGLang queue or retract requests, which the engine busy fraction of `summary.json` then shows.
+An integer `concurrency` is used as given (the info says so). The CPU engine serves the same fields
+the same way (`engine/local/server.py`), so the rule is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import anyio
+
+from ..config.settings import CPU_ENGINE_CONCURRENCY, RuntimeConfig
+from ..engine.base import EngineClient
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CPU_ENGINE_CONCURRENCY", "ConcurrencyInfo", "resolve_concurrency", "server_capacity"]
+
+
+@dataclass
+class ConcurrencyInfo:
+    """What `scheduler.concurrency` resolved to, and why (written to summary.json as is)."""
+
+    setting: int | str  #: as configured: an integer or "auto"
+    used: int  #: trajectories in flight at once, at most
+    rule: str  #: one line: where `used` came from
+    #: Generate requests all servers admit at once (None: unknown, e.g. a server that reports nothing).
+    engine_capacity: int | None = None
+    per_server: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _int(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+def server_capacity(info: Mapping[str, Any]) -> int | None:
+    """Generate requests one server runs at once, from its `/server_info` (None: not reported)."""
+    states = info.get("internal_states")
+    if isinstance(states, list):
+        per_rank = [_int(s.get("effective_max_running_requests_per_dp")) for s in states if isinstance(s, Mapping)]
+        if per_rank and all(n is not None for n in per_rank):
+            return sum(n for n in per_rank if n is not None)
+    n = _int(info.get("max_running_requests"))
+    if n is not None:
+        return n * (_int(info.get("dp_size")) or 1)
+    return None
+
+
+def is_cpu_engine(info: Mapping[str, Any]) -> bool:
+    return info.get("engine") == "agentloop-cpu"
+
+
+async def _server_info(client: EngineClient, timeout: float) -> Mapping[str, Any] | None:
+    try:
+        with anyio.fail_after(timeout):
+            return await client.server_info()
+    except Exception as e:  # informational: the fallback is said, not fatal
+        log.warning("cannot read /server_info of %s (%s): it counts as %d for concurrency: auto",
+                    getattr(client, "url", client), e, CPU_ENGINE_CONCURRENCY)
+        return None
+
+
+async def resolve_concurrency(config: RuntimeConfig, clients: Sequence[EngineClient],
+                              timeout: float = 30.0) -> tuple[RuntimeConfig, ConcurrencyInfo]:
+    """The config with `scheduler.concurrency` an integer (a copy when it was `auto`), and why."""
+    setting = config.scheduler.concurrency
+    infos = [await _server_info(c, timeout) for c in clients]
+    per_server: dict[str, dict[str, Any]] = {}
+    caps: list[int | None] = []
+    for c, info in zip(clients, infos):
+        cap = server_capacity(info) if info is not None else None
+        caps.append(cap)
+        per_server[str(getattr(c, "url", c))] = {
+            "engine": "cpu" if info is not None and is_cpu_engine(info) else ("sglang" if info is not None else "unknown"),
+            "max_running_requests": cap,
+            "max_total_num_tokens": _int(info.get("max_total_num_tokens")) if info is not None else None,
+        }
+    capacity = sum(c for c in caps if c is not None) if caps and all(c is not None for c in caps) else None
+    if isinstance(setting, int):
+        return config, ConcurrencyInfo(setting, setting, "set in the configuration", capacity, per_server)
+    if infos and all(i is not None and is_cpu_engine(i) for i in infos):
+        used, rule = CPU_ENGINE_CONCURRENCY, f"auto: the CPU engine's default ({CPU_ENGINE_CONCURRENCY})"
+    else:
+        unknown = [u for u, cap in zip(per_server, caps) if cap is None]
+        used = sum(cap if cap is not None else CPU_ENGINE_CONCURRENCY for cap in caps) or CPU_ENGINE_CONCURRENCY
+        rule = "auto: the sum of the servers' max running requests (/server_info)"
+        if unknown:
+            rule += f"; {', '.join(unknown)} reported none and count as {CPU_ENGINE_CONCURRENCY}"
+            log.warning("concurrency auto: %s report no max running requests; each counts as %d",
+                        ", ".join(unknown), CPU_ENGINE_CONCURRENCY)
+    scheduler = config.scheduler.model_copy(update={"concurrency": used})
+    return config.model_copy(update={"scheduler": scheduler}), ConcurrencyInfo(setting, used, rule, capacity, per_server)
