@@ -22,19 +22,20 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 from ..agents.base import AgentLoop
-from ..config.settings import RuntimeConfig
+from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient
 from ..engine.gate import Gate
 from ..engine.lifecycle import Lifecycle
 from ..engine.router import Router
-from ..scheduler.core import Scheduler
+from ..scheduler.core import ScheduleResult, Scheduler
+from ..types import Sample
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalRollout", "RolloutBackend", "RolloutParts", "load_tools", "make_lifecycle", "make_router",
+__all__ = ["LocalRollout", "RolloutBackend", "RolloutParts", "StepScheduler", "load_tools", "make_lifecycle", "make_router",
            "make_scheduler", "on_teardown"]
 
 
@@ -133,13 +134,24 @@ class RolloutParts:
     reward_fn: Callable[..., Any] | None
 
 
+class StepScheduler(Protocol):
+    """What `Runtime` asks of a scheduler: `Scheduler`, or Ray's driver-side `RayScheduler`."""
+
+    async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None, config: SchedulerConfig | None = None,
+                  more_samples: Iterable[Sample] | None = None) -> ScheduleResult: ...
+
+    def stop(self, reason: str = "stopped") -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class RolloutBackend(Protocol):
     """Where the agent loops run. `open` comes before any engine starts, `build` after the lifecycle
     put them to sleep; each registers its teardown on `stack`."""
 
     async def open(self, stack: contextlib.AsyncExitStack) -> None: ...
 
-    async def build(self, parts: RolloutParts, stack: contextlib.AsyncExitStack) -> tuple[Router, Any]: ...
+    async def build(self, parts: RolloutParts, stack: contextlib.AsyncExitStack) -> tuple[Router, StepScheduler]: ...
 
 
 class LocalRollout:

@@ -45,7 +45,7 @@ from ..config.settings import RuntimeConfig
 from ..engine.base import EngineClient
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..engine.router import Router
-from .assembly import LocalRollout, RolloutBackend, RolloutParts, load_tools, make_lifecycle
+from .assembly import LocalRollout, RolloutBackend, RolloutParts, StepScheduler, load_tools, make_lifecycle
 from .backends import EngineBackend, engine_backend
 from .engines import fit_context_to_engines, load_tokenizer
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
@@ -60,7 +60,7 @@ from .types import (
     StepSleepError,
     StepStream,
 )
-from ..scheduler.core import ScheduleResult, Scheduler, with_overrides
+from ..scheduler.core import ScheduleResult, with_overrides
 from ..types import Sample, Trajectory, training_rows
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Runtime(SyncFacade):
         self.on_trajectory = on_trajectory
         self.lifecycle: Lifecycle | None = None
         self.router: Router | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: StepScheduler | None = None
         self.clients: list[EngineClient] = []
         self.model_path: str | None = None
         self.steps_done = 0
