@@ -54,12 +54,13 @@ import anyio
 import anyio.abc
 
 from ..batch import collate
+from ..engine.base import EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..scheduler.filters import get_group_filter
+from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
-from ..scheduler.staleness import VersionLog, token_staleness
 from .stream_types import StreamBatch, StreamConfig
 
 log = logging.getLogger(__name__)
@@ -78,18 +79,25 @@ async def update_in_flight(lc: Lifecycle, weights: Weights) -> str | None:
     if lc.state is not EngineState.AWAKE:
         raise RuntimeError(f"update_in_flight needs AWAKE engines; the lifecycle is {lc.state.value}")
     clients = lc.gate.clients
-    async with anyio.create_task_group() as tg:
-        for c in clients:
-            tg.start_soon(c.pause_generation, "abort")
+
+    async def resume(c: Any) -> None:
+        try:
+            await c.continue_generation()
+        except EngineError as e:  # say it; the others must still continue, and the update's own error wins
+            log.error("continue_generation on %s after a weight update failed: %s", c.url, e)
+
     try:
+        async with anyio.create_task_group() as tg:
+            for c in clients:
+                tg.start_soon(c.pause_generation, "abort")
         # While AWAKE, `wake_up` with new weights loads them in place (the staged path's load stage,
         # same payloads and marks) and opens the gates with the new version.
         return await lc.wake_up(weights)
-    finally:
+    finally:  # also after a failed pause or load: a paused engine would hold every request
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for c in clients:
-                    tg.start_soon(c.continue_generation)
+                    tg.start_soon(resume, c)
 
 
 class _Group:
