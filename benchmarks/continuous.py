@@ -352,12 +352,15 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                     out["skipped"].append({"tool_latency_mean_s": lat, "mode": mode, "active": active,
                                            "why": f"deadline: {left:.0f}s left"})
                     continue
-                run_args = argparse.Namespace(**{**vars(args), "run_limit": min(limit, left)})
+                eta = args.max_staleness if args.max_staleness is not None else \
+                    2 * math.ceil(active / (args.batch_groups * args.group_size))
+                run_args = argparse.Namespace(**{**vars(args), "run_limit": min(limit, left), "max_staleness": eta})
                 src = GroupSource(WorkloadSpec(**{**spec.as_dict(), "tool_latency_mean": lat}), args.tool_latency_cap,
                                   tag=f"{mode}-{active}-{lat:g}")
                 print(f"{mode:15s} tools {lat:g}s, {active} in flight ...", flush=True)
                 run = await RUNNERS[mode](rt, engine, run_args, src, weights, active)
                 run.update(mode=mode, tool_latency_mean_s=lat, active=active, run_limit_s=r4(run_args.run_limit),
+                           max_staleness=eta if mode in ("over_admission", "streaming") else None,
                            complete_steps=run["steps"] >= args.steps)
                 out["runs"].append(run)
                 print(f"{mode:15s} tools {lat:g}s, {run['in_flight']} in flight: {run['trained_tokens_per_s']:9.1f} trained tok/s "
@@ -419,7 +422,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=[0.05, 0.2], help="mean tool latency, seconds (exponential, capped; a sweep)")
     w.add_argument("--tool-latency-cap", type=float, default=3.0, help="tool latency cap, seconds")
     w.add_argument("--tool-result-median", type=float, default=8.0)
-    w.add_argument("--max-staleness", type=int, default=2, help="η: over-admission's carried groups, streaming's bound")
+    w.add_argument("--max-staleness", type=int, default=None,
+                   help="η: over-admission's carried trajectories, streaming's bound (default: per run, "
+                        "2 x ceil(active / (batch_groups x group_size)): AReaL's rule admits at most (η + 1) batches "
+                        "ahead, so a smaller η could not keep `active` in flight, and trajectories stay in flight "
+                        "about active / batch steps)")
     w.add_argument("--max-queued-batches", type=int, default=2, help="streaming: the queue bound, in batches")
     w.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     w.add_argument("--run-limit", type=float, default=120.0, help="seconds one run may take (it stops after its step)")
