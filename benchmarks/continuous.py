@@ -439,10 +439,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "in flight, 2 s and 0.5 s tools")
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.gpu_scale:
-        args.turns, args.prompt_tokens, args.gen_median, args.gen_sigma, args.gen_max = 4, 256, 64.0, 1.0, 1024
-        args.tool_result_median, args.batch_groups, args.group_size = 32.0, 16, 4
-        args.active, args.tool_latency_means = [768, 1536, 256], [2.0, 0.5]
+    if args.gpu_scale:  # the workload as defaults: flags given on the command line still win
+        p.set_defaults(turns=4, prompt_tokens=256, gen_median=64.0, gen_sigma=1.0, gen_max=1024, tool_result_median=32.0,
+                       batch_groups=16, group_size=4, active=[768, 1536, 256], tool_latency_means=[2.0, 0.5])
+        args = p.parse_args(argv)
     if args.smoke:
         args.batch_groups, args.group_size, args.steps, args.active, args.turns = 2, 2, 3, [6], 2
         args.tool_latency_means, args.gen_median, args.gen_max, args.prompt_tokens = [0.01], 3, 8, 8

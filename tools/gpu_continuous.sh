@@ -11,12 +11,14 @@
 #                  (stop_tail_s per step; returned tokens/s of over-sampling vs wait-all)
 #   2. continuous  benchmarks/continuous.py --gpu-scale: per_step vs over_admission vs streaming vs
 #                  bare_refill, 10 steps of 16 groups x 4, the same workload; 2 s tools first at
-#                  768 / 1536 / 256 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (150 s),
-#                  every other run CONT_RUN_LIMIT (50 s); runs the budget cannot fit are skipped
+#                  768 / 1536 / 256 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (120 s),
+#                  every other run CONT_RUN_LIMIT (40 s); runs the budget cannot fit are skipped
 #                  and listed in the JSON ("skipped")
-# CONT_BUDGET (default 450 s) counts from this script's start: with ~30 s of install and the server's
-# ~60-100 s start (JIT cache restored), the call stays near 8 minutes. CONT_PARTS="long_tail continuous"
-# picks parts; CONT_LT_ARGS / CONT_ARGS add arguments to each benchmark.
+# CONT_BUDGET (default 540 s) counts from this script's start: with ~30 s of install before it the call
+# stays under 9.5 minutes; expect long_tail ~170 s and, at 2 s tools, per_step + 3 modes at 768 in
+# flight in the rest. CONT_PARTS="long_tail continuous" picks parts; CONT_LT_ARGS / CONT_ARGS add
+# arguments (explicit flags win over --gpu-scale's), e.g. a second call for what the first skipped:
+#   CONT_PARTS=continuous CONT_ARGS="--modes over_admission streaming bare_refill --active 1536 256"
 # CONT_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang at --smoke
 # sizes: proves the script end to end; not GPU results.
 #
@@ -31,7 +33,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 LOG="$OUTDIR/gpu_continuous.log"
 T0=$(date +%s)
-BUDGET=${CONT_BUDGET:-450}
+BUDGET=${CONT_BUDGET:-540}
 DRYRUN=${CONT_DRYRUN:-0}
 MAX_BS=${CONT_MAX_BS:-256}
 PARTS=" ${CONT_PARTS:-long_tail continuous} "
@@ -57,8 +59,8 @@ else
   LT_SIZE="--target-groups 64 --group-size 4 --oversample 3 --steps 3 --turns 4 --prompt-tokens 256 --gen-median 64
     --gen-sigma 1.0 --traj-sigma 0 --gen-max 1024 --tool-result-median 32 --tool-latency-dist exponential
     --tool-latency-mean 2 --tool-latency-cap 3"
-  CONT_SIZE="--gpu-scale --per-step-limit ${CONT_PER_STEP_LIMIT:-150} --run-limit ${CONT_RUN_LIMIT:-50}"
-  LT_LIMIT=${CONT_LT_LIMIT:-190}; CONT_LIMIT=100000
+  CONT_SIZE="--gpu-scale --per-step-limit ${CONT_PER_STEP_LIMIT:-120} --run-limit ${CONT_RUN_LIMIT:-40}"
+  LT_LIMIT=${CONT_LT_LIMIT:-170}; CONT_LIMIT=100000
 fi
 
 # A server a cut-short earlier call left behind would hold GPU memory and compute through every figure.
