@@ -75,7 +75,7 @@ def tokens(trajs: list[Trajectory]) -> dict[str, tuple[list[int], list[int]]]:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_tool_model()
-    engine: dict[str, Any] = {"local_args": ["--num-threads", "1"]}
+    engine: dict[str, Any] = {"local": {"num_threads": 1}}
     if args.engine_url:
         engine = {"urls": [args.engine_url], "tokenizer": str(model)}
     config = {"engine": engine, "scheduler": {"n": 1},

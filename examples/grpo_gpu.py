@@ -394,7 +394,7 @@ def runtime_config(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         flags = ["--dtype", "bfloat16"] + (["--load-format", "dummy"] if args.mode == "real" else [])
         engine["launch"] = {"model_path": str(model_dir), "mem_fraction_static": args.mem_fraction, "flags": flags}
     else:
-        engine.update(model=str(model_dir), local_args=["--num-threads", str(args.threads)])
+        engine.update(model=str(model_dir), local={"num_threads": args.threads})
     return {"engine": engine,
             "scheduler": {"n": args.n, "concurrency": args.prompts * args.n, "trajectory_timeout": 300,
                           "reward": "arithmetic" if args.mode == "tiny" else None},

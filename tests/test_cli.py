@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from agentloop.cli import build_parser, main
-from agentloop.commands.rollout import step_prompts
+from agentloop.commands.rollout_prompts import step_prompts
 from agentloop.output.progress import RolloutProgress
 from agentloop.config.rollout import ConfigError, RolloutConfig, defaults_yaml, load_config
 from agentloop.types import Sample
@@ -85,46 +85,43 @@ def test_flags_override_file_and_errors_name_the_flag(tmp_path: Path, capsys: py
     assert "expected FIELD=VALUE" in capsys.readouterr().err
 
 
-def test_config_file_accepts_the_flags_names_at_top_level(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_file_refuses_the_flags_names_at_top_level(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The file takes the nested layout only; a flag's name at its top level (an older spelling) is an
+    # error at that key, naming the flag and the field to write instead.
     f = tmp_path / "flat.yaml"
-    f.write_text("n: 4\nconcurrency: 8\nengine_url: [http://a:1, http://b:2]\nsteps: 3\nprompts-per-step: 5\n"
-                 "max_new_tokens: 40\ntemperature: 0.5\nseed: 7\nmodel: /m\ndata: d.jsonl\nout: o\n")
-    cfg = load_config(f)
+    f.write_text("steps: 3\nn: 4\nengine-url: [http://a:1]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert f"{f}:2:1: n: `n` is the flag --n; in the file write it as runtime.scheduler.n" in str(e.value)
+    assert (f"{f}:3:1: engine-url: `engine-url` is the flag --engine-url; in the file write it as "
+            "runtime.engine.urls") in str(e.value)
+    assert main(["config", "--check", str(f)]) == 2
+    assert "write it as runtime.scheduler.n" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--set n: n: `n` is the flag --n; in the file write it as runtime.scheduler.n"):
+        load_config(None, {"n": (5, "--set n")})
+    # The nested layout: every flag's field, and flags override the file.
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("steps: 3\nprompts_per_step: 5\ndata: d.jsonl\nout: o\nruntime:\n  scheduler: {n: 4, concurrency: 8}\n"
+                      "  engine: {urls: [http://a:1, http://b:2], model: /m}\n"
+                      "  agent: {max_new_tokens_per_turn: 40, temperature: 0.5, seed: 7}\n")
+    cfg = load_config(nested)
     assert (cfg.runtime.scheduler.n, cfg.runtime.scheduler.concurrency) == (4, 8)
     assert cfg.runtime.engine.urls == ["http://a:1", "http://b:2"] and cfg.runtime.engine.model == "/m"
     assert (cfg.steps, cfg.prompts_per_step, cfg.data, cfg.out) == (3, 5, "d.jsonl", "o")
     agent = cfg.runtime.agent
     assert (agent.max_new_tokens_per_turn, agent.temperature, agent.seed) == (40, 0.5, 7)
-    # The rollout's other runtime defaults stay, as with the nested layout.
-    assert agent.max_assistant_turns == RolloutConfig().runtime.agent.max_assistant_turns
-    # Same result as the nested layout; one URL as a plain string works like `--engine-url URL`.
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("runtime:\n  scheduler:\n    n: 4\n    concurrency: 8\n")
-    assert load_config(nested).runtime.scheduler == load_config(tmp_path / "flat.yaml").runtime.scheduler
-    assert RolloutConfig.model_validate({"engine-url": "http://a:1"}).runtime.engine.urls == ["http://a:1"]
-    # Flags override a flag-named key of the file (not a conflict); `--set n=...` is `--n`.
-    assert load_config(f, {"runtime.scheduler.n": (6, "--n")}).runtime.scheduler.n == 6
-    assert load_config(f, {"n": (5, "--set n")}).runtime.scheduler.n == 5
-    # Errors name the key as written, the field it stands for, and its position in the file.
-    f.write_text("steps: 1\nn: 0\n")
-    with pytest.raises(ConfigError, match=rf"{f}:2:4: n \(runtime.scheduler.n\): Input should be greater than or equal to 1 \(got 0\)"):
-        load_config(f)
-    # Given both ways with different values: an error naming both, at the flag-named key; same value is fine.
-    f.write_text("runtime:\n  scheduler:\n    n: 3\nsteps: 1\nn: 4\n")
-    assert main(["config", "--check", str(f)]) == 2
-    err = capsys.readouterr().err
-    assert f"{f}:5:1: n: sets runtime.scheduler.n, which is also given as `runtime.scheduler.n`" in err, err
-    f.write_text("runtime:\n  scheduler:\n    n: 3\nn: 3\n")
-    assert load_config(f).runtime.scheduler.n == 3
-    with pytest.raises(Exception, match="give it once"):
-        RolloutConfig.model_validate({"n": 2, "runtime": {"scheduler": {"n": 3}}})
+    assert agent.max_assistant_turns == RolloutConfig().runtime.agent.max_assistant_turns  # the rest kept
+    assert load_config(nested, {"runtime.scheduler.n": (6, "--n")}).runtime.scheduler.n == 6
+    nested.write_text("steps: 1\nruntime:\n  scheduler:\n    n: 0\n")
+    with pytest.raises(ConfigError, match=rf"{nested}:4:8: runtime.scheduler.n: Input should be greater than or equal to 1 \(got 0\)"):
+        load_config(nested)
     # A real typo is still an unknown field.
     f.write_text("concurency: 3\n")
     with pytest.raises(ConfigError, match=rf"{f}:1:1: concurency: unknown field"):
         load_config(f)
-    # `config --show` tells which flag sets a field and that its name works at top level.
+    # `config --show` tells which flag sets a field.
     shown = " ".join(line.strip().lstrip("#").strip() for line in defaults_yaml().splitlines())  # unwrapped
-    assert "Flag: --n; or top-level `n:` in this file." in shown
+    assert "Flag: --n." in shown and "top-level `n:`" not in shown
 
 
 def test_config_show_marks_the_commands_own_runtime_defaults() -> None:

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from agentloop.config import RuntimeConfig  # noqa: E402
+from agentloop.config import LocalServerConfig, RuntimeConfig  # noqa: E402
 from agentloop.data import arithmetic_prompts  # noqa: E402
 from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerStartError  # noqa: E402
 from agentloop.engine.gate import Gate  # noqa: E402
@@ -53,7 +53,7 @@ from agentloop.types import Sample, Trajectory  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local Ray cluster: a minute to start
 
-ENGINE_ARGS = ["--num-threads", "1", "--log-level", "warning"]
+ENGINE_LOCAL = {"num_threads": 1, "log_level": "warning"}
 WAKE = ["resume_weights", "update_weights", "resume_kv_cache"]
 SLEEP = ["pause", "settle", "continue", "flush_cache", "release"]
 
@@ -67,7 +67,7 @@ def replay_samples(prefix: str, n: int, *, turns: int = 2, gen: int = 6, latency
 
 def config(model: Path, servers: int) -> dict[str, Any]:
     return {
-        "engine": {"model": str(model), "num_local_servers": servers, "local_args": ENGINE_ARGS},
+        "engine": {"model": str(model), "num_local_servers": servers, "local": ENGINE_LOCAL},
         "scheduler": {"n": 2},
         # Turns up to 1000 tokens: the sleep-mid-step test needs a first turn no machine finishes before the sleep.
         "agent": {"temperature": 0.0, "seed": 7, "max_new_tokens_per_turn": 1000, "max_response_tokens": 1100},
@@ -165,7 +165,7 @@ def test_two_servers_share_one_gpu_on_a_placement_group(ray_session: None, model
     from ray.util.placement_group import placement_group_table
 
     async def go() -> None:
-        fleet = EngineFleet([EngineSpec("local", str(model_dir), extra_args=ENGINE_ARGS)] * 2, num_cpus=0, num_gpus=0.5)
+        fleet = EngineFleet([EngineSpec("local", str(model_dir), extra_args=LocalServerConfig(**ENGINE_LOCAL).serve_args())] * 2, num_cpus=0, num_gpus=0.5)
         try:
             urls = await fleet.start(timeout=120)
             info = await fleet.info()
@@ -224,7 +224,8 @@ class LockedTool(CalculatorTool):
 
 
 def test_ray_runtime_takes_every_runtime_argument(tmp_path: Path) -> None:
-    local = inspect.signature(Runtime.__init__).parameters
+    local = dict(inspect.signature(Runtime.__init__).parameters)
+    local.pop("rollout")  # where the agent loops run: what makes a RayRuntime (its RayRollout)
     ray_mode = inspect.signature(RayRuntime.__init__).parameters
     assert set(local) <= set(ray_mode)
     assert all(ray_mode[k].kind == local[k].kind and ray_mode[k].default == local[k].default for k in local)
@@ -278,7 +279,7 @@ def test_tools_given_to_ray_runtime_run_on_the_workers(ray_session: None) -> Non
     # The shipped tiny tool model, greedy, on arithmetic prompts: it calls `calculator`, which the
     # workers must run from the registry given to the driver (each worker unpickles its own copy).
     rows = [json.loads(line) for line in arithmetic_prompts().read_text().splitlines()[:3]]
-    cfg = {"engine": {"local_args": ENGINE_ARGS}, "scheduler": {"n": 1},
+    cfg = {"engine": {"local": ENGINE_LOCAL}, "scheduler": {"n": 1},
            "agent": {"temperature": 0.0, "max_new_tokens_per_turn": 48, "max_assistant_turns": 3}}
     module = sys.modules[__name__]
     # The workers cannot import this test module: a worker that cannot unpickle the tools says so.

@@ -13,7 +13,7 @@ from agentloop.agents.base import AgentConfig
 from agentloop.config import SchedulerConfig
 from agentloop.engine.lifecycle import Lifecycle
 from agentloop.engine.router import Router
-from agentloop.scheduler.filters import drop_zero_variance, register_group_filter
+from agentloop.group_filters import drop_zero_variance, register_group_filter
 from agentloop.scheduler import Scheduler
 from agentloop.types import Sample, Trajectory
 

@@ -64,7 +64,7 @@ def test_grpo_trainer_two_steps_with_agentloop_rollouts(tmp_path) -> None:
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=2,
                       learning_rate=1e-3, temperature=1.0, logging_steps=1, report_to=[], save_strategy="no",
                       use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, max_completion_length=160)
-    cfg = {"engine": {"local_args": ["--num-threads", "1"]},
+    cfg = {"engine": {"local": {"num_threads": 1}},
            "agent": {"temperature": 1.0, "max_new_tokens_per_turn": 48, "max_response_tokens": 160}}
     stages_per_call: list[list[str]] = []
     with AgentloopRollout(cfg) as rollout:

@@ -167,7 +167,7 @@ def test_real_two_step_rollout_converts_for_verl_grpo() -> None:
             raise RuntimeError("grader crashed")  # -> this trajectory is failed, the step goes on
         return float(len(trajectory.response_ids) % 7)
 
-    cfg = {"engine": {"local_args": ["--num-threads", "1"]}, "scheduler": {"n": 3},
+    cfg = {"engine": {"local": {"num_threads": 1}}, "scheduler": {"n": 3},
            "agent": {"max_new_tokens_per_turn": 48, "max_response_tokens": 160}}
     with Runtime(cfg, reward_fn=reward) as rt:
         for step in range(2):

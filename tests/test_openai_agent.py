@@ -101,7 +101,7 @@ async def sleeper_agent(client: openai.AsyncOpenAI, sample: Sample) -> str:
 
 
 CONFIG = {
-    "engine": {"local_args": ["--num-threads", "1"]},
+    "engine": {"local": {"num_threads": 1}},
     "scheduler": {"n": 2, "concurrency": 8},
     "agent": {"agent": "openai", "function": "test_openai_agent:calculator_agent", "max_new_tokens_per_turn": 1000,
               "max_response_tokens": 1500},

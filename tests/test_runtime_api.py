@@ -147,7 +147,7 @@ def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps
     rows scored by the default reward, the configured default agent for rows that name none, and the
     agent's context budget taken from the engine's reported context length."""
     cfg = {
-        "engine": {"local_args": ["--num-threads", "1", "--log-level", "warning", "--context-length", "1024"]},
+        "engine": {"local": {"num_threads": 1, "log_level": "warning", "context_length": 1024}},
         "agent": {"agent": "single_turn", "temperature": 0.0, "max_new_tokens_per_turn": 48,
                   "max_assistant_turns": 3, "max_response_tokens": 200},
     }
@@ -178,7 +178,7 @@ def test_a_trajectory_runs_up_to_the_real_engines_context_and_every_turn_gets_wh
 
     model = make_random_model(tmp_path / "model", seed=3)
     cfg = {"engine": {"model": str(model),
-                      "local_args": ["--num-threads", "1", "--log-level", "warning", "--context-length", "64"]},
+                      "local": {"num_threads": 1, "log_level": "warning", "context_length": 64}},
            "agent": {"agent": "replay", "max_response_tokens": 500, "max_new_tokens_per_turn": 30}}
     turns = [{"gen_tokens": 30, "tool_result_tokens": 3}, {"gen_tokens": 30, "tool_result_tokens": 3}, {"gen_tokens": 30}]
     with Runtime(cfg) as rt:

@@ -80,7 +80,8 @@ def test_config_documents_every_field() -> None:
 
 def test_agent_config_is_one_model_with_typed_knobs() -> None:
     """`RuntimeConfig.agent` is `AgentConfig` itself; interaction_timeout and chat_template_kwargs are
-    typed settings (older spellings in `extra`, and `sampling=SamplingParams(...)`, still read)."""
+    typed settings. The older spellings (them in `extra`, `sampling=SamplingParams(...)`) are refused,
+    naming the setting to use."""
     from agentloop.agents import AgentConfig
     from agentloop.engine.base import SamplingParams
 
@@ -89,12 +90,14 @@ def test_agent_config_is_one_model_with_typed_knobs() -> None:
     assert cfg.agent.interaction_timeout == 5.0 and cfg.agent.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ValidationError, match="interaction_timeout"):
         AgentConfig(interaction_timeout="soon")
-    old = AgentConfig(extra={"interaction_timeout": 7, "chat_template_kwargs": {"x": 1}, "mine": 2})
-    assert (old.interaction_timeout, old.chat_template_kwargs, old.extra) == (7.0, {"x": 1}, {"mine": 2})
-    with pytest.raises(ValidationError, match="given twice"):
-        AgentConfig(interaction_timeout=1, extra={"interaction_timeout": 2})
-    ac = AgentConfig(max_new_tokens_per_turn=9, sampling=SamplingParams(temperature=0.0, stop_token_ids=[5], seed=4))
-    assert (ac.temperature, ac.seed, ac.sampling_extra) == (0.0, 4, {"stop_token_ids": [5]})
+    assert AgentConfig(extra={"mine": 2}).extra == {"mine": 2}
+    for old in ({"interaction_timeout": 7}, {"chat_template_kwargs": {"x": 1}, "mine": 2}):
+        name = next(iter(old))
+        with pytest.raises(ValidationError, match=rf"extra.{name}: `{name}` is a setting of its own \(agent.{name}\)"):
+            AgentConfig(extra=old)
+    with pytest.raises(ValidationError, match=r"sampling\n  Extra inputs are not permitted"):
+        AgentConfig(sampling=SamplingParams(temperature=0.0))
+    ac = AgentConfig(max_new_tokens_per_turn=9, temperature=0.0, seed=4, sampling_extra={"stop_token_ids": [5]})
     sp = ac.sampling
     assert (sp.temperature, sp.sampling_seed, sp.stop_token_ids, sp.max_new_tokens) == (0.0, 4, [5], 9)
     assert AgentConfig(sampling_extra={"repetition_penalty": 1.1}).sampling.to_json()["repetition_penalty"] == 1.1
@@ -128,3 +131,25 @@ async def test_stream_yields_trajectories_as_they_finish_then_the_result() -> No
             assert sorted(got) == sorted(t.uid for t in s.result.trajectories)
             assert set(got[-2:]) == {"p0_0", "p0_1"}  # in finishing order, not input order
             assert rt.lifecycle.state is EngineState.SLEEPING
+
+
+def test_embedded_engine_settings_are_typed_fields() -> None:
+    """`engine.local` holds the embedded CPU engines' settings as typed fields, passed to each
+    `agentloop serve` as its flags (only the ones set); the older string list `local_args` is refused."""
+    from agentloop.config import LocalServerConfig
+
+    assert LocalServerConfig().serve_args() == []  # nothing set: serve's own defaults
+    cfg = RuntimeConfig.model_validate({"engine": {"local": {"num_threads": 2, "context_length": 64, "log_level": "warning",
+                                                             "return_original_logprob": True, "seed": 0}}})
+    assert cfg.engine.local.serve_args() == ["--num-threads", "2", "--context-length", "64", "--seed", "0",
+                                             "--return-original-logprob", "--log-level", "warning"]
+    with pytest.raises(ValidationError, match=r"engine.local.num_threads\n  Input should be greater than or equal to 0"):
+        RuntimeConfig.model_validate({"engine": {"local": {"num_threads": -1}}})
+    with pytest.raises(ValidationError, match=r"engine.local_args\n  Extra inputs are not permitted"):
+        RuntimeConfig.model_validate({"engine": {"local_args": ["--num-threads", "1"]}})
+    # Every field is a flag `agentloop serve` takes.
+    from agentloop.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {o for a in serve._actions for o in a.option_strings}
+    assert {"--" + n.replace("_", "-") for n in LocalServerConfig.model_fields} <= flags

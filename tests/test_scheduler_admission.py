@@ -140,3 +140,29 @@ async def test_on_group_hands_over_whole_groups_in_ungrouped_runs_too() -> None:
     res = await sched.run([replay("a", [3]), replay("b", [30])], on_group=lambda ms, v: groups.append(([t.uid for t in ms], v)))
     assert groups == [(["a_0", "a_1", "a_2"], "accepted"), (["b_0", "b_1", "b_2"], "accepted")]
     assert len(res.trajectories) == 6
+
+
+async def test_a_stop_ends_a_wait_on_an_async_feeder_without_taking_a_sample() -> None:
+    """The streaming shape: the feeder is a queue the trainer fills; a stop returns at once."""
+    import anyio
+
+    engine = FakeEngine("http://a", token_delay=0.002)
+    sched, lc = make(engine, n=1, active=4, concurrency=64)
+    await serve(lc, engine, "v1")
+    send, receive = anyio.create_memory_object_stream[Sample](10)
+    box = {}
+
+    async def run() -> None:
+        box["res"] = await sched.run([], more_samples=receive)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        for k in range(3):
+            await send.send(replay(f"f{k}", [3]))
+        await anyio.sleep(0.3)  # all three done; the run waits on the queue for more
+        assert "res" not in box
+        sched.stop("streaming consumer stopped")
+    res = box["res"]
+    assert [t.uid for t in res.trajectories] == ["f0", "f1", "f2"] and res.metrics["samples_drawn"] == 3
+    await send.send(replay("f3", [3]))  # the queue still works: the cancelled wait took nothing
+    assert receive.receive_nowait().uid == "f3"

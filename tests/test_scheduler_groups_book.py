@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from agentloop.scheduler.book import Decision, GroupBook, expand_samples
-from agentloop.scheduler.filters import drop_zero_variance
+from agentloop.group_filters import drop_zero_variance
 from agentloop.scheduler.watchdog import Watchdog
 from agentloop.types import Sample, Trajectory
 

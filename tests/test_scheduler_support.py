@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import anyio
 
-from agentloop.agents.base import AgentContext, AgentLoop, register_agent
+from agentloop.agents import AgentContext, AgentLoop, register_agent
 from agentloop.chat import TokenBuffer
 from agentloop.engine.base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
 from agentloop.types import Sample, TimelineEvent, Trajectory

@@ -105,7 +105,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any], save: Callable[[dic
     if args.dry_run:
         model_dir = make_random_model(work / "model", seed=0)
         engine: dict[str, Any] = {"model": str(model_dir), "num_local_servers": args.num_servers,
-                                  "local_args": ["--num-threads", "1", "--log-level", "warning"]}
+                                  "local": {"num_threads": 1, "log_level": "warning"}}
     else:
         if args.model:
             model_dir = Path(args.model)

@@ -29,10 +29,12 @@ from typing import Any, Awaitable, Callable, Mapping, Union
 
 import anyio
 
+from .registry import Registry
 from .tasks import arithmetic as arith
 from .types import Sample, Trajectory
 
 __all__ = [
+    "REWARDS",
     "RewardFn",
     "RewardResult",
     "register_reward",
@@ -63,32 +65,27 @@ class RewardTimeout(TimeoutError):
 RewardValue = Union[float, int, bool, RewardResult]
 RewardFn = Callable[[Trajectory, Sample], Union[RewardValue, Awaitable[RewardValue]]]
 
-_REWARDS: dict[str, RewardFn] = {}
+def _check_callable(name: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"reward {name!r}: {fn!r} is not callable")
+
+
+REWARDS: Registry[RewardFn] = Registry("reward function", check=_check_callable)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: `@register_reward("name")` makes a function selectable by `sample.reward`."""
     if not name:
         raise ValueError("a reward function needs a name")
-
-    def deco(fn: RewardFn) -> RewardFn:
-        if not callable(fn):
-            raise TypeError(f"reward {name!r}: {fn!r} is not callable")
-        _REWARDS[name] = fn
-        return fn
-
-    return deco
+    return REWARDS.register(name)
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
-        return _REWARDS[name]
-    except KeyError:
-        raise KeyError(f"unknown reward function {name!r}; registered: {sorted(_REWARDS)}") from None
+    return REWARDS.get(name)
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return REWARDS.names()
 
 
 def _is_async(fn: Any) -> bool:
@@ -130,7 +127,8 @@ def to_reward_result(value: Any, name: str) -> RewardResult:
 
 def reward_name(fn: Any) -> str:
     """How errors name a reward function: its registered name if it has one, else its qualified name."""
-    for name, registered in _REWARDS.items():
+    for name in REWARDS.names():
+        registered = REWARDS.get(name)
         if registered is fn:
             return name
     return getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -2,7 +2,8 @@
 
 An agent loop never sees an engine: it gets `AgentContext.generate`, a callable the scheduler binds to
 one trajectory (routed sticky to one server, and through the lifecycle gate). Tools are built once
-per worker and shared through the context. Loops register by name and are picked per sample.
+per worker and shared through the context. Loops register by name (`agents.registry`) and are picked
+per sample.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, ContextMan
 
 import anyio
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.base import GenerateOutput, SamplingParams
 from ..tools.truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, check_marker
@@ -37,19 +38,12 @@ class StopSignal(Protocol):
     def interruptible(self) -> ContextManager[anyio.CancelScope]: ...
 
 
-#: `SamplingParams` fields with a setting of their own in `AgentConfig` (flat, as the YAML spells them).
-_FLAT_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "sampling_seed": "seed"}
-
-
 class AgentConfig(BaseModel):
     """Per-run knobs every agent loop understands. The one model for them: `RuntimeConfig.agent` (the
     YAML's `runtime.agent`, `agentloop config --show`) is this class. Loops may read more from `extra`.
 
-    `sampling` is the `SamplingParams` of a model turn, built from the flat settings; for code written
-    against the older dataclass, `AgentConfig(sampling=SamplingParams(...))` still works (its fields
-    are spread over the settings, the ones without a setting of their own into `sampling_extra`), and so
-    does `extra={"interaction_timeout": ..., "chat_template_kwargs": ...}`."""
+    `sampling` is the `SamplingParams` of a model turn, built from the flat settings (temperature,
+    top_p, top_k, min_p, seed, sampling_extra)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -106,40 +100,15 @@ class AgentConfig(BaseModel):
     def _marker_is_a_template(cls, v: str) -> str:
         return check_marker(v)
 
-    @model_validator(mode="before")
+    @field_validator("extra")
     @classmethod
-    def _older_spellings(cls, data: Any) -> Any:
-        """`sampling=SamplingParams(...)`, and `interaction_timeout`/`chat_template_kwargs` inside `extra`
-        (where they lived before they were settings), read into the settings."""
-        if not isinstance(data, Mapping):
-            return data
-        data = dict(data)
-        extra = dict(data.get("extra") or {})
-        for name in ("interaction_timeout", "chat_template_kwargs"):
-            if name in extra:
-                value = extra.pop(name)
-                if name in data and data[name] != value:
-                    raise ValueError(f"`{name}` is given twice, as {data[name]!r} and as extra.{name}={value!r}")
-                data[name], data["extra"] = value, extra
-        if data.get("sampling") is None:
-            data.pop("sampling", None)
-            return data
-        sp = data.pop("sampling")
-        params = (sp if isinstance(sp, SamplingParams) else SamplingParams.from_mapping(sp)).to_json()
-        params.pop("max_new_tokens", None)  # each turn's budget comes from max_new_tokens_per_turn
-        defaults = SamplingParams().to_json()
-        rest = {}
-        for key, value in params.items():
-            name = _FLAT_SAMPLING.get(key)
-            if name is None:
-                if defaults.get(key, object()) != value:
-                    rest[key] = value
-            elif name in data and data[name] != value:
-                raise ValueError(f"`{name}` is given twice, as {data[name]!r} and as sampling.{key}={value!r}")
-            else:
-                data[name] = value
-        data["sampling_extra"] = {**rest, **dict(data.get("sampling_extra") or {})}
-        return data
+    def _extra_is_not_a_setting(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """A setting written into `extra` would be silently ignored there: refuse it, naming the setting."""
+        settings = sorted(set(v) & set(cls.model_fields))
+        if settings:
+            raise ValueError(f"extra.{settings[0]}: `{settings[0]}` is a setting of its own (agent.{settings[0]}), "
+                             "not a free key of `extra`")
+        return v
 
     @property
     def sampling(self) -> SamplingParams:
@@ -183,7 +152,7 @@ class AgentContext:
 
 
 class AgentLoop(ABC):
-    """Subclass, set `name`, implement `run`. Register with `@register_agent`."""
+    """Subclass, set `name`, implement `run`. Register with `@register_agent` (`agents.registry`)."""
 
     name: ClassVar[str] = ""
 
@@ -195,30 +164,3 @@ class AgentLoop(ABC):
     async def aclose(self) -> None:
         """Release what the loop holds across trajectories (e.g. the `openai` loop's server); the
         scheduler calls it when the runtime stops. Default: nothing to release."""
-
-
-_REGISTRY: dict[str, type[AgentLoop]] = {}
-
-
-def register_agent(cls: type[AgentLoop]) -> type[AgentLoop]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def get_agent(name: str) -> AgentLoop:
-    from . import load_builtin_agents  # noqa: F401  (registers the built-in loops)
-
-    load_builtin_agents()
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise KeyError(f"unknown agent loop {name!r}; registered: {sorted(_REGISTRY)}") from None
-
-
-def registered_agents() -> list[str]:
-    from . import load_builtin_agents
-
-    load_builtin_agents()
-    return sorted(_REGISTRY)

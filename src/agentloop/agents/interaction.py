@@ -19,10 +19,12 @@ from typing import Any, Awaitable, Callable, Mapping, Union
 
 import anyio
 
+from ..registry import Registry
 from ..types import Sample
 from .resolve import import_path
 
 __all__ = [
+    "INTERACTIONS",
     "Interaction",
     "ask_user",
     "get_interaction",
@@ -34,7 +36,12 @@ __all__ = [
 Reply = Union[str, Mapping[str, Any], None]
 Interaction = Callable[[list[dict[str, Any]], Sample], Union[Awaitable[Reply], Reply]]
 
-_INTERACTIONS: dict[str, Interaction] = {}
+def _check_callable(name: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"interaction {name!r}: {fn!r} is not callable")
+
+
+INTERACTIONS: Registry[Interaction] = Registry("interaction", check=_check_callable)
 _RESOLVED: dict[str, Interaction] = {}  # "module:attr" paths already imported (and built)
 
 
@@ -42,18 +49,11 @@ def register_interaction(name: str) -> Callable[[Interaction], Interaction]:
     """Decorator: `@register_interaction("name")` makes a simulated user selectable by name."""
     if not name or ":" in name:
         raise ValueError(f"an interaction name must be non-empty and without ':', got {name!r}")
-
-    def deco(fn: Interaction) -> Interaction:
-        if not callable(fn):
-            raise TypeError(f"interaction {name!r}: {fn!r} is not callable")
-        _INTERACTIONS[name] = fn
-        return fn
-
-    return deco
+    return INTERACTIONS.register(name)
 
 
 def registered_interactions() -> list[str]:
-    return sorted(_INTERACTIONS)
+    return INTERACTIONS.names()
 
 
 def get_interaction(spec: Union[str, Interaction]) -> Interaction:
@@ -63,8 +63,8 @@ def get_interaction(spec: Union[str, Interaction]) -> Interaction:
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise TypeError(f"an interaction is a name or 'module:function' path, got {spec!r}")
-    if spec in _INTERACTIONS:
-        return _INTERACTIONS[spec]
+    if spec in INTERACTIONS:
+        return INTERACTIONS.get(spec)
     if spec in _RESOLVED:
         return _RESOLVED[spec]
     if ":" not in spec:

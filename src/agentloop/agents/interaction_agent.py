@@ -10,8 +10,9 @@ trajectory fails, before any generation, with an error saying how to give one (r
 from __future__ import annotations
 
 from ..types import Sample
-from .base import AgentContext, register_agent
+from .base import AgentContext
 from .interaction import Interaction, registered_interactions
+from .registry import register_agent
 from .tool import ToolAgent
 
 

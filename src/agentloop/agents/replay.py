@@ -23,7 +23,8 @@ import anyio
 import numpy as np
 
 from ..types import Sample, Trajectory
-from .base import AgentContext, AgentLoop, register_agent
+from .base import AgentContext, AgentLoop
+from .registry import register_agent
 from .episode import BudgetSpent, Episode
 
 

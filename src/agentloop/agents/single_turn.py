@@ -8,7 +8,8 @@ failed on an unexpected exception (returned, never raised).
 from __future__ import annotations
 
 from ..types import Sample, Trajectory
-from .base import AgentContext, AgentLoop, register_agent
+from .base import AgentContext, AgentLoop
+from .registry import register_agent
 from .episode import BudgetSpent, Episode
 
 

@@ -27,7 +27,8 @@ import anyio
 
 from ..tools import ToolCall, ToolContext, ToolResult, get_parser
 from ..types import Sample, Trajectory
-from .base import AgentContext, AgentLoop, register_agent
+from .base import AgentContext, AgentLoop
+from .registry import register_agent
 from .episode import BudgetSpent, Episode
 from .interaction import Interaction, ask_user, get_interaction
 

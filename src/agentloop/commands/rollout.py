@@ -44,9 +44,7 @@ from .rollout_state import CommandRun, StepRecord
 from .rollout_stop import engine_failure_message, exception_leaves, watch_signals
 from ..types import Sample, Trajectory
 
-# Re-exported: callers and tests import the prompt walk from here.
-__all__ = ["EXIT_ENGINE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "groups_per_step",
-           "run", "step_prompts", "take_prompts"]
+__all__ = ["EXIT_ENGINE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "run"]
 
 EXIT_OK, EXIT_ENGINE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_OUTPUT = 74  # sysexits' EX_IOERR
@@ -237,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_data(cfg: RolloutConfig) -> Dataset:
-    from ..agents.base import registered_agents
+    from ..agents.registry import registered_agents
     from ..rewards import registered_rewards
 
     if cfg.data is None:

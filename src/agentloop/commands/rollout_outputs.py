@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..engine.lifecycle import StageRecord
-from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME, summarize_run, summarize_step, write_parquet, write_summary
+from ..output.parquet import write_parquet
+from ..output.summary import summarize_run, summarize_step, write_summary
+from ..output.writer import PARQUET_NAME, SUMMARY_NAME, TIMELINE_NAME
 from .rollout_prompts import prompt_statuses
 from .rollout_state import CommandRun, StepRecord
 

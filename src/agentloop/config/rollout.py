@@ -5,11 +5,8 @@ bad-row policy, display) + the embedded `agentloop.config.RuntimeConfig` under `
 The rollout's own defaults for the runtime (GRPO groups of 2, short turns so the CPU demo is fast)
 are deep-merged under whatever the file gives, so setting one nested key keeps the others.
 
-The file may also use the flags' own names at its top level (`n: 8`, `concurrency: 64`,
-`engine_url: [...]`, dashes or underscores, see `FLAG_NAMES`): they are moved to the nested field they
-stand for before validation; the same field set both ways to different values is an error.
-`ray:` is both: `ray: true` is `--ray`, and a mapping under it is the `runtime.ray` section
-(`SECTION_NAMES`), so `ray: {enabled: true, address: auto}` reads as the command line would.
+The file uses the nested layout only (`runtime: {scheduler: {n: 8}}`); a flag's name written at its
+top level (`n: 8`, `concurrency: 64`, `ray: true`) is refused naming the field to write instead.
 
 Errors are `ConfigError`s that name the field (dotted path) and where it came from: the file and
 line:column of the offending YAML node (from yaml's node marks), or the command-line flag.
@@ -29,17 +26,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .settings import RuntimeConfig
-from .yaml_strict import mark_where
-from .yaml_strict import safe_load as strict_yaml_load
+from ..yaml_strict import mark_where
+from ..yaml_strict import safe_load as strict_yaml_load
 
 #: Runtime settings the rollout command uses unless the YAML file or a flag says otherwise (and
 #: `agentloop config --show` marks as the command's, next to the library's default).
 #: Small turns keep the default CPU run (16 prompts x 2, 2 steps) well under a minute on 2 cores.
-#: One torch thread for the embedded engine: the tiny model's matmuls are too small to gain from
-#: intra-op threads, and with the rollout process (and anything else) on the same 2 cores, two
-#: spinning threads made the default run 4.6x slower (197 vs 917 generated tokens/s, measured).
+#: (The embedded engine runs one torch thread: `agentloop serve`'s own default, `engine.local.num_threads`.)
 ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
-    "engine": {"local_args": ["--num-threads", "1"]},
     "scheduler": {"n": 2, "concurrency": 32},
     "agent": {
         "max_assistant_turns": 4,
@@ -50,8 +44,6 @@ ROLLOUT_RUNTIME_DEFAULTS: dict[str, Any] = {
 
 
 #: `agentloop rollout` flag (dest, i.e. without `--`, dashes as underscores) → the field it sets.
-#: The same names are accepted as top-level keys of the config file (`alias_field`), so a file can
-#: say what the command line says.
 FLAG_NAMES: dict[str, str] = {
     "data": "data",
     "out": "out",
@@ -70,75 +62,20 @@ FLAG_NAMES: dict[str, str] = {
     "ray_workers": "runtime.ray.num_workers",
 }
 
-#: Top-level keys that, given a mapping, stand for a whole section instead of their flag's field:
-#: `ray: true` is `--ray`, while `ray: {address: auto, num_workers: 4}` is the `runtime.ray` section.
-SECTION_NAMES: dict[str, str] = {"ray": "runtime.ray"}
-
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and the file position or flag."""
 
 
-class _AliasConflict(ValueError):
-    """A top-level flag-named key and the field it stands for are both given, with different values."""
-
-    def __init__(self, key: str, dotted: str, alias_value: Any, field_value: Any) -> None:
-        self.key = key
-        super().__init__(f"{key}: sets {dotted}, which is also given as `{dotted}` with another value "
-                         f"({alias_value!r} vs {field_value!r}); give it once")
-
-
-def alias_field(key: str) -> str | None:
-    """The field a top-level key written like a flag (`n`, `engine-url`, `max_new_tokens`) stands
-    for, if it is one and is not spelled as that field already."""
+def _flag_key_hint(key: Any) -> str | None:
+    """For a top-level key spelled as a flag (`n`, `engine-url`), what to write instead."""
+    if not isinstance(key, str):
+        return None
     name = key.replace("-", "_")
     dotted = FLAG_NAMES.get(name)
-    return dotted if dotted is not None and dotted != key else None
-
-
-def resolve_flag_names(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
-    """Move top-level flag-named keys to the fields they stand for.
-
-    Returns the new data (the input is not modified) and {field path: key as written} for each moved
-    key, so an error about that field can point at the key in the file. Raises `_AliasConflict`."""
-    out = dict(data)
-    moved: dict[tuple[str, ...], str] = {}
-    for key in list(out):
-        dotted = alias_field(key) if isinstance(key, str) else None
-        if dotted is None:
-            continue
-        value = out.pop(key)
-        if dotted == "runtime.engine.urls" and isinstance(value, str):
-            value = [value]  # `engine_url: http://...`: one URL, as `--engine-url URL` gives
-        section = SECTION_NAMES.get(key.replace("-", "_"))
-        if section is not None and isinstance(value, Mapping):
-            dotted = section
-        *parents, leaf = dotted.split(".")
-        cur = out
-        for p in parents:
-            nxt = cur.get(p)
-            if nxt is None:
-                nxt = {}
-            elif not isinstance(nxt, Mapping):
-                # `runtime: 3` or the like: leave the key where it was; validation names both problems.
-                out[key] = value
-                break
-            cur[p] = nxt = dict(nxt)  # copied on the way down: the caller's mappings stay as they were
-            cur = nxt
-        else:
-            if isinstance(value, Mapping) and isinstance(cur.get(leaf), Mapping):
-                # A section given both ways: merged key by key; one key given twice differently is a conflict.
-                merged = dict(cur[leaf])
-                for k, v in value.items():
-                    if k in merged and merged[k] != v:
-                        raise _AliasConflict(key, f"{dotted}.{k}", v, merged[k])
-                    merged[k] = v
-                value = merged
-            elif leaf in cur and cur[leaf] != value:
-                raise _AliasConflict(key, dotted, value, cur[leaf])
-            cur[leaf] = value
-            moved[tuple(dotted.split("."))] = key
-    return out, moved
+    if dotted is None or dotted == key:
+        return None
+    return f"`{key}` is the flag --{name.replace('_', '-')}; in the file write it as {dotted}"
 
 
 def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,12 +125,7 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _flag_names_and_runtime_defaults(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            try:
-                data, _ = resolve_flag_names(data)
-            except _AliasConflict as e:
-                raise ValueError(str(e)) from None
+    def _runtime_defaults(cls, data: Any) -> Any:
         if isinstance(data, Mapping) and isinstance(data.get("runtime"), Mapping):
             data = dict(data)
             data["runtime"] = _deep_merge(ROLLOUT_RUNTIME_DEFAULTS, data["runtime"])
@@ -273,22 +205,8 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{_where(str(p), root)}: the config file must be a mapping of fields, not a "
                               f"{type(data).__name__}")
-    # The file's flag-named keys are resolved before the flags are applied, so a flag overriding
-    # `n: 4` of the file is an override, not a conflict.
-    try:
-        data, moved = resolve_flag_names(data)
-    except _AliasConflict as e:
-        node, _ = _node_at(root, (e.key,), key=True)
-        raise ConfigError(f"invalid configuration:\n  {_where(str(path) if path is not None else None, node)}: "
-                          f"{e}") from None
     flag_of: dict[tuple[str, ...], str] = {}
     for dotted, (value, flag) in (overrides or {}).items():
-        if "." not in dotted:
-            section = SECTION_NAMES.get(dotted.replace("-", "_"))
-            if section is not None and isinstance(value, Mapping):
-                dotted = section  # `--set ray={address: auto}`: the section, as in the file
-            else:
-                dotted = alias_field(dotted) or dotted  # `--set n=4` as `--n 4`
         _set_dotted(data, dotted, value)
         flag_of[tuple(dotted.split("."))] = flag
     try:
@@ -300,19 +218,13 @@ def load_config(
             field = ".".join(str(x) for x in loc) or "<config>"
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = "unknown field (not a setting of agentloop rollout; see `agentloop config --show`)"
+                hint = _flag_key_hint(loc[0]) if len(loc) == 1 else None
+                msg = hint or "unknown field (not a setting of agentloop rollout; see `agentloop config --show`)"
             flag = next((f for k, f in flag_of.items() if loc[: len(k)] == k), None)
             if flag is not None:
                 lines.append(f"{flag}: {field}: {msg}")
                 continue
-            yaml_loc = loc
-            for target, key in moved.items():
-                if loc[: len(target)] == target:
-                    # Given under its flag name: point at that key, and name both.
-                    yaml_loc = (key, *loc[len(target):])
-                    field = f"{key} ({field})"
-                    break
-            node, exact = _node_at(root, yaml_loc, key=err["type"] == "extra_forbidden")
+            node, exact = _node_at(root, loc, key=err["type"] == "extra_forbidden")
             where = _where(str(path) if path is not None else None, node)
             got = f" (got {err['input']!r})" if exact and err["type"] != "extra_forbidden" and not isinstance(
                 err.get("input"), (dict, list)) else ""
@@ -345,7 +257,7 @@ def _flag_note(dotted: str) -> str:
     if dest is None:
         return switches.get(dotted, "")
     flag = "--" + dest.replace("_", "-")
-    return f" Flag: {flag}." if dest == dotted else f" Flag: {flag}; or top-level `{dest}:` in this file."
+    return f" Flag: {flag}."
 
 
 def _library_note(dotted: str, value: Any) -> str:
@@ -390,8 +302,8 @@ def defaults_yaml(config: RolloutConfig | None = None) -> str:
     """Every setting with its description, as a commented YAML file that `load_config` accepts."""
     config = config or RolloutConfig()
     head = ["# agentloop rollout configuration (defaults). Pass with: agentloop rollout --config FILE.yaml",
-            "# Command-line flags override the file. Unknown keys are errors. The flags' names work as",
-            "# top-level keys too (n: 8, concurrency: 64, engine_url: [http://...]), see 'Flag:' below.",
+            "# Command-line flags override the file ('Flag:' below says which sets a field). Unknown keys are",
+            "# errors; the file uses this nested layout (runtime.scheduler.n, not a top-level n).",
             "# Where the command's default differs from the library's (a trainer's Runtime), the comment",
             "# says \"agentloop rollout's default\" and gives the library's value.", ""]
     return "\n".join(head + _render(config, 0)) + "\n"

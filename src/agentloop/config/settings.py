@@ -36,6 +36,34 @@ class LaunchConfig(_Strict):
     flags: list[str] = Field(default_factory=list, description="Extra command-line flags passed to every server verbatim.")
 
 
+class LocalServerConfig(_Strict):
+    """Settings of each embedded CPU engine server (`agentloop serve`); unset: that command's default."""
+
+    num_threads: int | None = Field(
+        None, ge=0, description="torch CPU threads of each engine (serve's default 1: fastest for small models, "
+        "measured in benchmarks/serve_threads.py; 0: torch's choice, one per core).")
+    context_length: int | None = Field(
+        None, ge=1, description="Usable context of each engine (serve's default: the model's max_position_embeddings).")
+    max_running_requests: int | None = Field(None, ge=1, description="Requests batched at once (serve's default 64).")
+    max_prefill_tokens: int | None = Field(
+        None, ge=1, description="Padded tokens of one batched prefill forward (serve's default 8192).")
+    seed: int | None = Field(None, description="Seed of requests that carry no sampling_seed (serve's default 0).")
+    return_original_logprob: bool = Field(
+        False, description="Report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs.")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = Field(
+        None, description="Log level of each engine process (serve's default info).")
+
+    def serve_args(self) -> list[str]:
+        """These settings as `agentloop serve` flags (only the ones set)."""
+        args: list[str] = []
+        for name, value in self.model_dump().items():
+            if value is None or value is False:
+                continue
+            flag = "--" + name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        return args
+
+
 class EngineConfig(_Strict):
     """Which engine servers serve the policy, and how their memory lifecycle runs."""
 
@@ -49,9 +77,8 @@ class EngineConfig(_Strict):
         description="Model folder for the embedded CPU engine. Default: the shipped tiny tool-calling model.",
     )
     num_local_servers: int = Field(1, ge=1, description="How many embedded CPU engine servers to start.")
-    local_args: list[str] = Field(
-        default_factory=list, description="Extra arguments for each embedded `agentloop serve` process."
-    )
+    local: LocalServerConfig = Field(
+        default_factory=LocalServerConfig, description="Settings of each embedded CPU engine server.")
     launch: LaunchConfig | None = Field(None, description="Launch SGLang servers instead of using `urls` or the CPU engine.")
     tokenizer: str | None = Field(
         None,
@@ -241,7 +268,7 @@ class SchedulerConfig(_Strict):
     @classmethod
     def _known_group_filter(cls, v: str | None) -> str | None:
         if v is not None:
-            from ..scheduler.filters import get_group_filter
+            from ..group_filters import get_group_filter
 
             get_group_filter(v)  # raises naming the registered filters
         return v

@@ -3,8 +3,8 @@
 `RayRuntime` is `agentloop.runtime.Runtime` with the same `step` and the same `StepResult`; see
 `docs/distributed.md` for running it on a cluster. Modules:
 
-- `runtime.py`: the driver (`RayRuntime`, the remote scheduler; the lifecycle is the ordinary one); its
-  settings are `agentloop.config.RayConfig` (`RuntimeConfig.ray`), re-exported here;
+- `runtime.py`: the driver (`RayRuntime`, its `RayRollout` and remote scheduler; the lifecycle is the
+  ordinary one); its settings are `agentloop.config.RayConfig` (`RuntimeConfig.ray`);
 - `pool.py`: handing trajectories to workers as they free up, and surviving worker deaths;
 - `pool.py` is also the lifecycle's `GateControl` over every worker's gate;
 - `worker.py`: the worker actor (its `Gate`, its router, its scheduler);
@@ -13,12 +13,12 @@
 Needs `ray` (`pip install 'agentloop[ray]'`) and the asyncio event loop.
 """
 
-from .engines import EngineFleet, EngineServer, EngineSpec
+from .engines import EngineFleet, EngineServer, EngineSpec, RayFleetEngines, ray_engine_backend
 from .pool import NoWorkerError, WorkerPool, WorkerStartError
-from .runtime import RayConfig, RayRuntime, RayScheduler, RemoteAgent
+from .runtime import RayRollout, RayRuntime, RayScheduler, RemoteAgent
 from .worker import PinnedRouter, RolloutWorker
 
 __all__ = [
-    "EngineFleet", "EngineServer", "EngineSpec", "NoWorkerError", "PinnedRouter", "RayConfig",
-    "RayRuntime", "RayScheduler", "RemoteAgent", "RolloutWorker", "WorkerPool", "WorkerStartError",
+    "EngineFleet", "EngineServer", "EngineSpec", "NoWorkerError", "PinnedRouter", "RayFleetEngines", "RayRollout",
+    "RayRuntime", "RayScheduler", "RemoteAgent", "RolloutWorker", "WorkerPool", "WorkerStartError", "ray_engine_backend",
 ]

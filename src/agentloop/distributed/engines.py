@@ -31,11 +31,15 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..config.settings import RuntimeConfig
+from ..engine.base import EngineClient
 from ..engine.launch import start_by_gpu
+from ..runtime.backends import EngineBackend, GivenClients, UrlEngines, close_and_stop
+from ..runtime.engines import embedded_model, make_client
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineFleet", "EngineServer", "EngineSpec"]
+__all__ = ["EngineFleet", "EngineServer", "EngineSpec", "RayFleetEngines", "ray_engine_backend"]
 
 
 @dataclass
@@ -215,3 +219,49 @@ class EngineFleet:
             remove_placement_group(self.pg)
             self.pg = None
 
+
+
+def ray_engine_backend(config: RuntimeConfig, clients: Sequence[EngineClient] | None = None) -> EngineBackend:
+    """The engines of a Ray runtime: the clients given, the servers at `engine.urls`, or a fleet of actors."""
+    if clients is not None:
+        return GivenClients(clients)
+    if config.engine.mode == "urls":
+        return UrlEngines(config.engine)
+    return RayFleetEngines(config)
+
+
+class RayFleetEngines:
+    """The embedded CPU engines or the `engine.launch` SGLang servers as an `EngineFleet` of Ray actors
+    (placed by Ray: `ray.engine_num_cpus` / `ray.engine_num_gpus` per server). Ray must be running."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.model_path: str | None = None
+        self.processes: list[Any] = []  #: the fleet, once started (stopped like any engine process)
+        self.fleet: EngineFleet | None = None
+
+    def _fleet(self) -> EngineFleet:
+        ecfg, rc = self.config.engine, self.config.ray
+        lc = ecfg.launch
+        if lc is None:  # embedded: CPU engines
+            self.model_path = str(embedded_model(ecfg))
+            specs = [EngineSpec("local", self.model_path, extra_args=tuple(ecfg.local.serve_args()), host=rc.engine_host)
+                     for _ in range(ecfg.num_local_servers)]
+            return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0)
+        if lc.gpu_ids is not None:
+            log.warning("engine.launch.gpu_ids is ignored in Ray mode: Ray assigns GPUs (ray.engine_num_gpus per server)")
+        self.model_path = lc.model_path
+        specs = [EngineSpec("sglang", lc.model_path, extra_args=tuple(lc.flags), mem_fraction_static=lc.mem_fraction_static,
+                            host=rc.engine_host) for _ in range(lc.num_servers)]
+        return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=rc.engine_num_gpus, strategy=rc.placement_strategy)
+
+    async def start(self, stack: Any) -> list[EngineClient]:
+        clients: list[EngineClient] = []
+        stack.callback(setattr, self, "fleet", None)  # (runs last: after the fleet stopped)
+        close_and_stop(stack, clients, self.processes)
+        fleet = self.fleet = self._fleet()
+        self.processes.append(fleet)
+        ecfg = self.config.engine
+        urls = await fleet.start(timeout=ecfg.start_timeout)
+        clients.extend(make_client(u, ecfg) for u in urls)
+        return clients

@@ -1,10 +1,13 @@
 """`RayRuntime`: the same `Runtime` (same `step`, same `StepResult`), with its work spread over Ray.
 
-This module owns the driver side of Ray mode. `RayRuntime` subclasses `Runtime` and inherits its one
-step sequence (staged wake-up → roll out → collate → sleep); only *where* things run changes:
+This module owns the driver side of Ray mode. `RayRuntime` is `Runtime` (its one step sequence: staged
+wake-up → roll out → collate → sleep) given two strategies; only *where* things run changes:
 
-- **Engines** are `EngineServer` actors (`engines.py`): CPU engines for the embedded mode, SGLang
-  servers on a placement group for `engine.launch`; `engine.urls` attaches to running servers.
+- **Engines** (`engines.ray_engine_backend`) are `EngineServer` actors (`RayFleetEngines`): CPU engines
+  for the embedded mode, SGLang servers on a placement group for `engine.launch`; `engine.urls`
+  attaches to running servers.
+- **Agent loops** (`RayRollout`): joins or starts Ray before any engine actor, then starts the
+  `WorkerPool` once the engines sleep, and puts the driver's router and `RayScheduler` over it.
 - **One lifecycle over all engines, in the driver**: the `Lifecycle` that `Runtime.start` builds (no
   subclass). The `WorkerPool` is added to it as one more `GateControl`, so every transition moves every
   worker's gate too: `wake_up` opens the workers' gates only after the last stage finished on every
@@ -12,7 +15,7 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
   its settle stage waits for the workers' aborted requests too. So a worker can only dispatch while
   the driver's lifecycle is AWAKE; on top of that the driver hands out trajectories only inside
   `step` after `wake_up` returned.
-- **The driver's scheduler is the ordinary `Scheduler`** (GRPO groups, over-sampling and early stop,
+- **The driver's scheduler is the ordinary `Scheduler`**, one per step (`RayScheduler`) (GRPO groups, over-sampling and early stop,
   carry-over, results in input order, metrics), whose agent loop is a `RemoteAgent`: it binds the
   trajectory to a server with the driver's `Router` (least-loaded over every worker's trajectories,
   sticky for the trajectory's life: this router *is* the global load balancer) and has the
@@ -27,16 +30,17 @@ step sequence (staged wake-up → roll out → collate → sleep); only *where* 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-import anyio
 import ray
 from ray import cloudpickle
 
@@ -45,15 +49,17 @@ from ..config.settings import RayConfig, RuntimeConfig, SchedulerConfig
 from ..engine.base import EngineClient
 from ..engine.lifecycle import EngineState
 from ..engine.router import RouteSession, Router
-from ..runtime.core import AgentloopError, Runtime, StepResult
+from ..runtime.backends import EngineBackend
+from ..runtime.assembly import RolloutParts, make_router, make_scheduler, on_teardown
+from ..runtime.core import AgentloopError, Runtime
 from ..scheduler.core import ScheduleResult, Scheduler
 from ..types import Sample, Trajectory
-from .engines import EngineFleet, EngineSpec
+from .engines import EngineFleet, ray_engine_backend
 from .pool import PoolEvents, WorkerPool, default_capacity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayConfig", "RayRuntime", "RayScheduler", "RemoteAgent"]
+__all__ = ["RayRollout", "RayRuntime", "RayScheduler", "RemoteAgent", "RemoteStep"]
 
 
 async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float | None = None) -> float | None:
@@ -61,14 +67,33 @@ async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float |
     return traj.reward
 
 
+@dataclass(frozen=True)
+class RemoteStep:
+    """One step's settings as the driver and the workers see them (built from the step's scheduler config).
+
+    Timeouts are the workers' job (they stop the trajectory and keep its partial result), so the
+    driver's own scheduler runs without `trajectory_timeout` and only bounds a call to a worker that
+    neither answers nor dies (`call_timeout`)."""
+
+    worker_config: dict[str, Any]  #: the step's scheduler config, sent with every trajectory
+    driver_config: SchedulerConfig
+    call_timeout: float | None
+
+    @classmethod
+    def of(cls, cfg: SchedulerConfig) -> "RemoteStep":
+        call_timeout = (cfg.trajectory_timeout + cfg.abort_grace + 60.0) if cfg.trajectory_timeout else None
+        return cls(cfg.model_dump(mode="json"), cfg.model_copy(update={"trajectory_timeout": None}), call_timeout)
+
+
 class RemoteAgent(AgentLoop):
     """The driver's agent loop: bind the trajectory to a server, run it on a worker, return its result."""
 
     name = "ray-remote"
 
-    def __init__(self, scheduler: "RayScheduler", agent: str) -> None:
-        self.scheduler = scheduler
+    def __init__(self, pool: WorkerPool, agent: str, step: RemoteStep) -> None:
+        self.pool = pool
         self.agent = agent
+        self.step = step
 
     async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
         session = ctx.generate
@@ -77,32 +102,33 @@ class RemoteAgent(AgentLoop):
         # Least-loaded live server over all workers' trajectories; the binding lasts for the trajectory.
         url = session.current_server()
         job = dataclasses.replace(sample, agent=self.agent)
-        s = self.scheduler
-        return await s.pool.run(job, url, session, s.worker_config, timeout=s.call_timeout)
+        return await self.pool.run(job, url, session, self.step.worker_config, timeout=self.step.call_timeout)
 
 
-class RayScheduler(Scheduler):
-    """The ordinary scheduler, whose agent loops run on Ray workers (see the module docstring)."""
+class RayScheduler:
+    """The driver's scheduler: each step, the ordinary `Scheduler` (groups, over-sampling, carry-over,
+    results in input order) whose agent loops are `RemoteAgent`s carrying that step's `RemoteStep`;
+    the step's metrics get the Ray counters (see the module docstring)."""
 
-    def __init__(self, router: Router, pool: WorkerPool, **kwargs: Any) -> None:
-        super().__init__(router, reward_fn=_keep_worker_reward, clock=time.time, **kwargs)
+    def __init__(self, router: Router, pool: WorkerPool, config: RuntimeConfig, tokenizer: Any) -> None:
+        self.router = router
         self.pool = pool
-        self.worker_config: dict[str, Any] = {}
-        self.call_timeout: float | None = None
-
-    def agent(self, name: str) -> AgentLoop:
-        return RemoteAgent(self, name)
+        self.config = config
+        self.tokenizer = tokenizer
+        self._running: list[Scheduler] = []
 
     async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,
                   config: SchedulerConfig | None = None, more_samples: Any = None) -> ScheduleResult:
-        cfg = config or self.config
-        self.worker_config = cfg.model_dump(mode="json")
-        # Timeouts are the workers' job (they stop the trajectory and keep its partial result); the
-        # driver only bounds a call to a worker that neither answers nor dies.
-        self.call_timeout = (cfg.trajectory_timeout + cfg.abort_grace + 60.0) if cfg.trajectory_timeout else None
-        driver_cfg = SchedulerConfig.model_validate({**cfg.model_dump(), "trajectory_timeout": None})
+        step = RemoteStep.of(config or self.config.scheduler)
+        sched = make_scheduler(self.router, self.config, tokenizer=self.tokenizer, reward_fn=_keep_worker_reward,
+                               clock=time.time, agents=lambda name: RemoteAgent(self.pool, name, step))
         self.pool.events = PoolEvents()
-        result = await super().run(samples, on_trajectory=on_trajectory, config=driver_cfg, more_samples=more_samples)
+        self._running.append(sched)
+        try:
+            result = await sched.run(samples, on_trajectory=on_trajectory, config=step.driver_config,
+                                     more_samples=more_samples)
+        finally:
+            self._running.remove(sched)
         stats = await self.pool.stats()
         ev = self.pool.events
         retried, deaths = list(ev.retried), list(ev.worker_deaths)
@@ -121,6 +147,74 @@ class RayScheduler(Scheduler):
         }
         return result
 
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop the running step (see `Scheduler.stop`); the workers' trajectories are stopped through their sessions."""
+        for sched in self._running:
+            sched.stop(reason)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the agent loops' resources live on the workers (`WorkerPool.shutdown`)."""
+
+
+class RayRollout:
+    """Where a `RayRuntime`'s agent loops run: the `WorkerPool`'s actors (the `RolloutBackend` for Ray).
+
+    `open` joins (or starts, and then at stop shuts down) Ray before any engine actor is placed;
+    `build` starts the workers, adds them to the lifecycle's gates, and puts the driver's router (the
+    global balancer; the per-server limit is each worker's) and `RayScheduler` over them."""
+
+    def __init__(self, config: RuntimeConfig, *, tools: Any = None,
+                 tools_factory: Callable[[RuntimeConfig], Any] | None = None) -> None:
+        self.ray_config = config.ray
+        #: The caller's registry, sent to the workers (None: each worker builds its tools itself).
+        self.tools = tools
+        self.tools_factory = tools_factory
+        self.pool: WorkerPool | None = None
+
+    async def open(self, stack: contextlib.AsyncExitStack) -> None:
+        if not ray.is_initialized():
+            _init_ray(self.ray_config)
+            stack.callback(ray.shutdown)
+
+    async def build(self, parts: RolloutParts, stack: contextlib.AsyncExitStack) -> tuple[Router, RayScheduler]:
+        lc = parts.lifecycle
+        assert lc.state is EngineState.SLEEPING
+        rc, cfg = self.ray_config, parts.config
+        tokenizer_ref = ray.put(parts.tokenizer)
+        tools_ref = ray.put(self.tools) if self.tools is not None else None
+        cfg_json = cfg.model_dump(mode="json")
+        all_urls = [c.url for c in parts.clients]
+
+        def make_args(index: int) -> tuple[Any, ...]:
+            return (index, cfg_json, all_urls, lc.out_of_rotation, tokenizer_ref, self.tools_factory, parts.reward_fn,
+                    parts.interaction, tools_ref)
+
+        async def server_removed(url: str, reason: str) -> None:
+            """A worker took `url` out: take it out of the driver's lifecycle too (which tells every gate).
+            Like a router, the driver keeps the last server in rotation; its failures fail the trajectories."""
+            if url in lc.urls and len(lc.urls) > 1:
+                await lc.take_out(url, reason)
+
+        pool = self.pool = WorkerPool(
+            num_workers=rc.num_workers,
+            capacity=rc.worker_capacity or default_capacity(cfg.scheduler.concurrency, rc.num_workers),
+            make_args=make_args,
+            actor_options={"num_cpus": rc.worker_num_cpus},
+            max_replacements=rc.max_worker_replacements,
+            max_attempts=rc.max_worker_attempts,
+            on_server_removed=server_removed,
+        )
+        on_teardown(stack, "stopping the Ray workers", self._stop_pool)
+        await pool.ready(timeout=cfg.engine.start_timeout)
+        lc.add_gates(pool)
+        router = make_router(lc.gate, cfg, per_server=False)
+        return router, RayScheduler(router, pool, cfg, parts.tokenizer)
+
+    async def _stop_pool(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.shutdown()
+
 
 class RayRuntime(Runtime):
     """`Runtime` on Ray. `async with RayRuntime(cfg) as rt: await rt.step(...)`.
@@ -135,11 +229,13 @@ class RayRuntime(Runtime):
       that cannot be pickled. Neither: the tools of `agent.tools` / the built-in ones, as in local mode.
     - `reward_fn`, `interaction`: shipped to every worker. `tokenizer`: sent once through the object store.
     - `clients`: the driver's clients of running servers; workers connect to the same URLs.
+    - `engines`: an engine backend of your own (default: `ray_engine_backend(config, clients)`).
     - `ray_config`: the Ray settings (default: `config.ray`); given, it replaces `config.ray`.
     Anything that cannot be sent raises TypeError here, naming the argument, before anything starts.
-    """
 
-    runs_on_ray = True
+    It is `Runtime` given the Ray strategies: `ray_engine_backend` (engine actors, or the URLs/clients
+    given) and `RayRollout` (the workers); it adds only introspection.
+    """
 
     def __init__(
         self,
@@ -151,6 +247,7 @@ class RayRuntime(Runtime):
         interaction: Any = None,
         reward_fn: Callable[..., Awaitable[Any]] | None = None,
         on_trajectory: Any = None,
+        engines: EngineBackend | None = None,
         ray_config: RayConfig | Mapping[str, Any] | None = None,
         tools_factory: Callable[[RuntimeConfig], Any] | None = None,
     ) -> None:
@@ -173,105 +270,22 @@ class RayRuntime(Runtime):
             ("interaction", interaction, "use an object of a module-level class holding plain data"),
         ):
             _check_shippable(name, value, hint)
-        super().__init__(cfg, clients=clients, tokenizer=tokenizer, tools=tools, interaction=interaction,
-                         reward_fn=reward_fn, on_trajectory=on_trajectory)
+        self.ray_rollout = RayRollout(cfg, tools=tools, tools_factory=tools_factory)
+        super().__init__(cfg, tokenizer=tokenizer, tools=tools, interaction=interaction, reward_fn=reward_fn,
+                         on_trajectory=on_trajectory, rollout=self.ray_rollout,
+                         engines=engines if engines is not None else ray_engine_backend(cfg, clients))
         self.ray_config = cfg.ray
         self.tools_factory = tools_factory
-        #: The caller's registry, sent to the workers (None: each worker builds its tools itself).
-        self._given_tools = tools
-        self.pool: WorkerPool | None = None
-        self.fleet: EngineFleet | None = None
-        self._owns_ray = False
 
-    # ------------------------------------------------------------------ start / stop
-    async def start(self) -> "RayRuntime":
-        if self.started:
-            return self
-        rc = self.ray_config
-        if not ray.is_initialized():
-            _init_ray(rc)
-            self._owns_ray = True
-        # engines (as actors, below), tokenizer, the one lifecycle (engines put to sleep), then the
-        # workers and the scheduler (`_build_scheduler`, below)
-        await super().start()
-        return self
+    @property
+    def pool(self) -> WorkerPool | None:
+        """The rollout workers (None before start and after stop)."""
+        return self.ray_rollout.pool
 
-    async def _build_scheduler(self) -> None:
-        """The workers (whose gates the lifecycle then moves too), the driver's router and scheduler."""
-        lc = self.lifecycle
-        assert lc is not None and lc.state is EngineState.SLEEPING
-        rc, cfg = self.ray_config, self.config
-        scfg, ecfg = cfg.scheduler, cfg.engine
-        tokenizer_ref = ray.put(self.tokenizer)
-        tools_ref = ray.put(self._given_tools) if self._given_tools is not None else None
-        cfg_json = cfg.model_dump(mode="json")
-        all_urls = [c.url for c in self.clients]
-
-        def make_args(index: int) -> tuple[Any, ...]:
-            return (index, cfg_json, all_urls, lc.out_of_rotation, tokenizer_ref, self.tools_factory, self.reward_fn,
-                    self.interaction, tools_ref)
-
-        self.pool = WorkerPool(
-            num_workers=rc.num_workers,
-            capacity=rc.worker_capacity or default_capacity(scfg.concurrency, rc.num_workers),
-            make_args=make_args,
-            actor_options={"num_cpus": rc.worker_num_cpus},
-            max_replacements=rc.max_worker_replacements,
-            max_attempts=rc.max_worker_attempts,
-            on_server_removed=self._server_removed,
-        )
-        await self.pool.ready(timeout=ecfg.start_timeout)
-        lc.add_gates(self.pool)
-        # The driver's router is the global balancer (it binds trajectories to servers); the per-server
-        # limit is enforced by each worker's own router.
-        self.router = Router(lc.gate, max_retries=scfg.max_turn_retries, failure_threshold=scfg.server_failure_threshold,
-                             request_timeout=ecfg.request_timeout)
-        self.scheduler = RayScheduler(
-            self.router, self.pool, tokenizer=self.tokenizer, agent_config=cfg.agent,
-            config=scfg, default_agent=cfg.agent.agent,
-        )
-
-    async def _shutdown(self) -> None:
-        if self.pool is not None:
-            await self.pool.shutdown()
-            self.pool = None
-        await super()._shutdown()  # closes clients, stops the engine fleet
-        self.fleet = None
-        if self._owns_ray:
-            ray.shutdown()
-            self._owns_ray = False
-
-    async def _start_embedded(self) -> None:
-        ecfg, rc = self.config.engine, self.ray_config
-        model = self._embedded_model()
-        specs = [EngineSpec("local", str(model), extra_args=tuple(ecfg.local_args), host=rc.engine_host)
-                 for _ in range(ecfg.num_local_servers)]
-        await self._start_fleet(EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0))
-
-    async def _launch(self) -> None:
-        lc, rc = self.config.engine.launch, self.ray_config
-        assert lc is not None
-        if lc.gpu_ids is not None:
-            log.warning("engine.launch.gpu_ids is ignored in Ray mode: Ray assigns GPUs (ray.engine_num_gpus per server)")
-        self.model_path = lc.model_path
-        specs = [EngineSpec("sglang", lc.model_path, extra_args=tuple(lc.flags), mem_fraction_static=lc.mem_fraction_static,
-                            host=rc.engine_host) for _ in range(lc.num_servers)]
-        await self._start_fleet(EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=rc.engine_num_gpus,
-                                            strategy=rc.placement_strategy))
-
-    async def _start_fleet(self, fleet: EngineFleet) -> None:
-        self.fleet = fleet
-        self.processes.append(fleet)  # Runtime's shutdown stops it like any engine process
-        urls = await fleet.start(timeout=self.config.engine.start_timeout)
-        self.clients = [self._client(u) for u in urls]
-
-    # ------------------------------------------------------------------ servers that die
-    async def _server_removed(self, url: str, reason: str) -> None:
-        """A worker took `url` out: take it out of the driver's lifecycle too (which tells every gate).
-        Like a router, the driver keeps the last server in rotation; its failures fail the trajectories."""
-        lc = self.lifecycle
-        if lc is not None and url in lc.urls and len(lc.urls) > 1:
-            await lc.take_out(url, reason)
+    @property
+    def fleet(self) -> EngineFleet | None:
+        """The engine server actors this runtime started (None when attached by URL)."""
+        return getattr(self.engines, "fleet", None)
 
     # ------------------------------------------------------------------ introspection
     async def worker_stats(self, *, times: bool = False) -> list[dict[str, Any]]:

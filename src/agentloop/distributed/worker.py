@@ -14,9 +14,10 @@ This module owns what happens inside one worker process:
   and which can stop one trajectory by uid (the driver's early stop or a sleep mid-step).
 - `RolloutWorker`: the actor. `run(job, url, cfg)` runs one trajectory through `Scheduler.run` (agent
   loop, timeouts, failure isolation, reward, step watchdog) and returns it; many `run` calls are in
-  flight at once on the actor's event loop. Clients come from `engine_setup.make_client` and tools from
-  `ToolRegistry.load` (the functions the driver's `Runtime` uses), unless the driver's caller gave a
-  registry (unpickled here as this worker's own copy) or a `tools_factory`.
+  flight at once on the actor's event loop. Its router, scheduler and tools are built by
+  `agentloop.runtime.assembly` (as the driver's `Runtime` builds its own) and its clients by
+  `runtime.engines.make_client`, unless the driver's caller gave a tool registry (unpickled here as
+  this worker's own copy) or a `tools_factory`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ import anyio
 from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.gate import Gate
 from ..engine.router import RouteSession, Router
+from ..runtime.assembly import load_tools, make_router, make_scheduler
 from ..runtime.engines import make_client
-from ..scheduler.core import Scheduler
-from ..tools.registry import ToolRegistry
 from ..types import Sample
 
 log = logging.getLogger(__name__)
@@ -94,34 +94,16 @@ class RolloutWorker:
     ) -> None:
         self.index = index
         self.config = RuntimeConfig.model_validate(config)
-        ecfg, scfg = self.config.engine, self.config.scheduler
-        self.clients = [make_client(u, ecfg) for u in urls]
+        self.clients = [make_client(u, self.config.engine) for u in urls]
         #: Wall-clock time of each recent generate dispatch (for checks against the driver's AWAKE windows).
         self.dispatch_times: deque[float] = deque(maxlen=100_000)
         self.gate = Gate(self.clients, out=out, on_generate=lambda url, state: self.dispatch_times.append(time.time()))
-        self.router = PinnedRouter(
-            self.gate,
-            per_server_limit=scfg.per_server_concurrency,
-            slot_order=scfg.slot_order,
-            max_retries=scfg.max_turn_retries,
-            failure_threshold=scfg.server_failure_threshold,
-            request_timeout=ecfg.request_timeout,
-            clock=time.time,  # wall clock: timelines from workers on different machines line up
-        )
+        # wall clock: timelines from workers on different machines line up
+        self.router = make_router(self.gate, self.config, router_cls=PinnedRouter, clock=time.time)
         if tools is None:  # the driver's caller gave no registry: build this worker's own
-            tools = tools_factory(self.config) if tools_factory is not None else ToolRegistry.load(self.config.agent.tools)
-        self.scheduler = Scheduler(
-            self.router,
-            tokenizer=tokenizer,
-            agent_config=self.config.agent,
-            config=scfg,
-            tools=tools,
-            interaction=interaction,
-            default_agent=self.config.agent.agent,
-            reward_fn=reward_fn,
-            clock=time.time,
-            hung_timeout=ecfg.hung_timeout,
-        )
+            tools = tools_factory(self.config) if tools_factory is not None else load_tools(self.config)
+        self.scheduler = make_scheduler(self.router, self.config, tokenizer=tokenizer, tools=tools,
+                                        interaction=interaction, reward_fn=reward_fn, clock=time.time)
         self.jobs_run = 0
 
     async def ready(self) -> int:

@@ -3,11 +3,12 @@
 `protocol.py` is the wire format (requests, responses, stream chunks, errors), `recorder.py` answers and
 records one trajectory's calls (template deltas after the sampled tokens; a rewritten history becomes a
 new segment), `server.py` is the loopback aiohttp server that routes each request to its trajectory by
-key. The `openai` agent loop (`agentloop.agents.openai_agent`) owns a server and binds one client per
-trajectory; docs/openai_agents.md is the user's guide.
+key, `agent.py` is the `openai` agent loop, which owns a server and binds one client per trajectory
+(registered by name like every loop; docs/openai_agents.md is the user's guide).
 
-Layering: this package sits beside `agentloop.agents`, above the engine: it uses the agent-loop
-contract (`AgentContext`, `Episode`) and is used by the `openai` loop only.
+Layering: this package sits above `agentloop.agents`: it uses the agent-loop contract (`AgentContext`,
+`Episode`, `register_agent`); nothing in `agents/` imports it (the agent registry loads `agent.py` by
+name, as it loads the built-in loops).
 """
 
 from .protocol import ChatCompletionRequest, CompletionResult, EndpointError

@@ -140,20 +140,6 @@ class Router:
         """Trajectories currently bound (sticky) to each live server."""
         return {u: self._bound.get(u, 0) for u in self.urls}
 
-    async def abort(self, rids: Sequence[str], *, timeout: float = 10.0) -> None:
-        """Abort `rids` on every server directly (routers in front of servers do not forward aborts)."""
-        limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
-
-        async def one(rid: str) -> None:
-            async with limit:
-                with anyio.move_on_after(timeout):
-                    for url, e in await self.gate.abort(rid):  # a dead server cannot abort; its request ends on its own
-                        log.debug("abort of %s on %s: %s", rid, url, e)
-
-        async with anyio.create_task_group() as tg:
-            for rid in rids:
-                tg.start_soon(one, rid)
-
     async def abort_on_servers(self, rids_by_server: Mapping[str, Sequence[str]], *, timeout: float = 10.0) -> int:
         """Abort requests on the servers they were sent to, all servers at once: one `abort_all` to a
         server whose requests in flight are all among its `rids` (known only with `sole_client`: no other

@@ -20,7 +20,7 @@ Files other than the stream are written to a temporary name in the same folder a
 reader ever sees a half-written file (`atomic_file`).
 
 This module owns the folder's names, the JSONL stream and clearing a previous run; the Parquet table
-is `output_parquet`, the summary's numbers `output_summary` (both re-exported here).
+is `parquet.py`, the summary's numbers `summary.py`.
 """
 
 from __future__ import annotations
@@ -32,19 +32,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .atomic_file import FILE_MODE, atomic_write, atomic_write_text
-from .parquet import MESSAGE_FIELDS, message_from_parquet, parquet_message, write_parquet
-from .summary import (
-    PROMPT_STATUSES, TIME_KINDS, stage_seconds, summarize_run, summarize_step, time_split, write_summary,
-)
+from .atomic_file import FILE_MODE
 from ..types import Trajectory
 
-# The names of `agentloop.output` that live in the modules above, re-exported (callers import them from here).
 __all__ = [
-    "JSONL_NAME", "MESSAGE_FIELDS", "OUTPUT_NAMES", "PARQUET_NAME", "PROMPT_STATUSES", "SUMMARY_NAME", "TIMELINE_NAME",
-    "TIME_KINDS", "OutputWriteError", "TrajectoryStream", "atomic_write", "atomic_write_text", "clear_outputs",
-    "message_from_parquet", "parquet_message", "stage_seconds", "summarize_run", "summarize_step", "time_split",
-    "trajectory_record", "write_parquet", "write_summary",
+    "JSONL_NAME", "OUTPUT_NAMES", "PARQUET_NAME", "SUMMARY_NAME", "TIMELINE_NAME", "OutputWriteError",
+    "TrajectoryStream", "clear_outputs", "trajectory_record",
 ]
 
 JSONL_NAME = "trajectories.jsonl"

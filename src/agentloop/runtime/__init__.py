@@ -2,7 +2,9 @@
 
 Modules: `core.py` (`Runtime`), `sync.py` (the blocking facade, `step_sync`), `types.py` (`StepResult`,
 `StepStream`, the step errors), `inputs.py` (a step's argument checks, before any wake-up), `metrics.py`
-(a step's numbers), `engines.py` (how engines, clients and the tokenizer are obtained).
+(a step's numbers), `assembly.py` (lifecycle, router, scheduler, tools from config; where the agent
+loops run: `LocalRollout`), `backends.py` (where the engines come from: one strategy per `engine`
+mode), `engines.py` (how engines, clients and the tokenizer are obtained).
 """
 
 from .core import OnTrajectory, Runtime

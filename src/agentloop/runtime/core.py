@@ -3,9 +3,11 @@
 This module owns the engines' lifetime and the step sequence, nothing else:
 
 - **Engines**: the embedded CPU engine by default, URLs of running SGLang servers, servers launched
-  through `agentloop.engine.launch`, or `EngineClient` objects handed in. *How* each is obtained
-  (processes, clients, tokenizer, the engines' context length) is `agentloop.engine_setup`; this
-  module picks the mode, owns what was started, and puts one `Lifecycle` over all of them.
+  through `agentloop.engine.launch`, or `EngineClient` objects handed in: an `EngineBackend`
+  strategy chosen from config (`runtime.backends`; Ray's fleet of engine actors is one more). The
+  lifecycle, router and scheduler are built from config by `runtime.assembly`; where the agent loops
+  run is the other strategy, a `RolloutBackend` (`LocalRollout`, or Ray's workers). This module puts
+  one `Lifecycle` over the engines and runs the steps; every part registers its teardown as it starts.
   At `start()` the lifecycle first learns each server's real memory state (`Lifecycle.attach`: a
   server another run left asleep is never released twice), then the engines are put to sleep, so
   every step begins SLEEPING and wakes in stages (a trainer colocated on the GPU needs that memory
@@ -43,14 +45,9 @@ from ..config.settings import RuntimeConfig
 from ..engine.base import EngineClient
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..engine.router import Router
-from .engines import (
-    embedded_model,
-    fit_context_to_engines,
-    launch_sglang,
-    load_tokenizer,
-    make_client,
-    start_embedded,
-)
+from .assembly import LocalRollout, RolloutBackend, RolloutParts, load_tools, make_lifecycle
+from .backends import EngineBackend, engine_backend
+from .engines import fit_context_to_engines, load_tokenizer
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
 from .metrics import step_metrics
 from .sync import SyncFacade
@@ -74,10 +71,12 @@ OnTrajectory = Callable[[Trajectory], "Awaitable[None] | None"]
 
 class Runtime(SyncFacade):
     """Owns or attaches engines and runs steps. Use as `async with Runtime(cfg) as rt: await rt.step(...)`
-    or, from synchronous code, `with Runtime(cfg) as rt: rt.step_sync(...)`."""
+    or, from synchronous code, `with Runtime(cfg) as rt: rt.step_sync(...)`.
 
-    #: Whether this class honours `config.ray` (RayRuntime); a plain Runtime refuses a Ray config.
-    runs_on_ray = False
+    What it is built from are two strategy objects, both chosen from the config unless given:
+    `engines` (where the engines come from: `runtime.backends.engine_backend(config, clients)`) and
+    `rollout` (where the agent loops run: `LocalRollout`, this process). `RayRuntime` is this class
+    given its Ray strategies; a Ray config (`ray.enabled`) without them is refused."""
 
     def __init__(
         self,
@@ -89,12 +88,15 @@ class Runtime(SyncFacade):
         interaction: Any = None,
         reward_fn: Callable[..., Awaitable[Any]] | None = None,
         on_trajectory: OnTrajectory | None = None,
+        engines: EngineBackend | None = None,
+        rollout: RolloutBackend | None = None,
     ) -> None:
         self.config = config if isinstance(config, RuntimeConfig) else RuntimeConfig.model_validate(config or {})
-        if self.config.ray.enabled and not self.runs_on_ray:
+        if self.config.ray.enabled and rollout is None:
             raise ValueError("config ray.enabled is true but Runtime runs in this process: use "
                              "agentloop.distributed.RayRuntime (same arguments, same step) for Ray mode")
-        self._given_clients = list(clients) if clients is not None else None
+        self.engines: EngineBackend = engines if engines is not None else engine_backend(self.config, clients)
+        self.rollout: RolloutBackend = rollout if rollout is not None else LocalRollout()
         self.tokenizer = tokenizer
         self.tools = tools
         self.interaction = interaction
@@ -104,18 +106,24 @@ class Runtime(SyncFacade):
         self.router: Router | None = None
         self.scheduler: Scheduler | None = None
         self.clients: list[EngineClient] = []
-        self.processes: list[Any] = []  #: embedded engine processes / launched servers we own
         self.model_path: str | None = None
         self.steps_done = 0
         self._row_numbers = itertools.count(1)  #: numbers the uids generated for dict rows given to `step`
         #: Smallest usable context (prompt + response) the engines reported at start (None: none reported).
         self.engine_context_length: int | None = None
         self._step_lock = anyio.Lock()
+        #: What `start` started, each part's teardown registered as it started (run in reverse by `stop`).
+        self._teardown: contextlib.AsyncExitStack | None = None
 
     # ------------------------------------------------------------------ start / stop
     @property
     def started(self) -> bool:
         return self.scheduler is not None
+
+    @property
+    def processes(self) -> list[Any]:
+        """The engine processes (or Ray fleet) this runtime started and will stop; empty when attached."""
+        return self.engines.processes
 
     async def start(self) -> "Runtime":
         """Start or attach engines, load the tokenizer and tools, put the engines to sleep."""
@@ -123,68 +131,42 @@ class Runtime(SyncFacade):
             return self
         ecfg = self.config.engine
         if self.tools is None:  # a bad tools file is refused before any engine starts
-            self.tools = self._load_tools()
+            self.tools = load_tools(self.config)
         tt = self.config.scheduler.trajectory_timeout
         if tt is not None and ecfg.request_timeout >= tt:
             log.warning("engine.request_timeout (%gs) >= scheduler.trajectory_timeout (%gs): a request stuck on a bad "
                         "server times out only with its trajectory, leaving no time to retry it elsewhere (only the "
                         "engine.hung_timeout watchdog can fail over); keep request_timeout well under it", ecfg.request_timeout, tt)
+        stack = self._teardown = contextlib.AsyncExitStack()
         try:
-            if self._given_clients is not None:
-                self.clients = list(self._given_clients)
-            elif ecfg.mode == "urls":
-                self.clients = [self._client(u) for u in ecfg.urls]
-            elif ecfg.mode == "launch":
-                await self._launch()
-            else:
-                await self._start_embedded()
-            self.tokenizer = self.tokenizer if self.tokenizer is not None else await self._load_tokenizer()
-            await self._fit_context_to_engines()
-            self.lifecycle = Lifecycle(
-                self.clients,
-                staged=ecfg.staged,
-                release_tags=ecfg.release_tags,
-                reload_path=self.model_path,
-                settle_timeout=ecfg.settle_timeout,
-                stage_timeout=ecfg.stage_timeout,
-                liveness_timeout=ecfg.liveness_timeout,
-                attach_state=ecfg.attach_state,
-                takeover=ecfg.takeover,
-                lease_timeout=ecfg.lease_timeout,
-            )
-            await self.lifecycle.attach()  # each server's real memory state, before any lifecycle call
-            await self.lifecycle.sleep()
-            await self._build_scheduler()
+            await self.rollout.open(stack)
+            self.clients = await self.engines.start(stack)
+            self.model_path = self.engines.model_path
+            if self.tokenizer is None:
+                self.tokenizer = await load_tokenizer(ecfg, self.model_path, self.clients)
+            # Lower agent.max_context_tokens to the engines' usable context (a copy of the config).
+            self.config, self.engine_context_length = await fit_context_to_engines(self.config, self.clients)
+            lc = self.lifecycle = make_lifecycle(self.clients, self.config, self.model_path)
+            stack.push_async_callback(self._leave_engines, lc)
+            await lc.attach()  # each server's real memory state, before any lifecycle call
+            await lc.sleep()
+            parts = RolloutParts(config=self.config, lifecycle=lc, clients=self.clients, tokenizer=self.tokenizer,
+                                 tools=self.tools, interaction=self.interaction, reward_fn=self.reward_fn)
+            self.router, self.scheduler = await self.rollout.build(parts, stack)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
             raise
         return self
 
-    async def _build_scheduler(self) -> None:
-        """The router over the lifecycle's gate and the scheduler over the router (RayRuntime's differ)."""
-        assert self.lifecycle is not None
-        scfg, ecfg = self.config.scheduler, self.config.engine
-        self.router = Router(
-            self.lifecycle.gate,
-            per_server_limit=scfg.per_server_concurrency,
-            slot_order=scfg.slot_order,
-            max_retries=scfg.max_turn_retries,
-            failure_threshold=scfg.server_failure_threshold,
-            request_timeout=ecfg.request_timeout,
-            sole_client=True,  # the lifecycle's owner lease: no other runtime generates on these servers
-        )
-        self.scheduler = Scheduler(
-            self.router,
-            tokenizer=self.tokenizer,
-            agent_config=self.config.agent,
-            config=scfg,
-            tools=self.tools,
-            interaction=self.interaction,
-            default_agent=self.config.agent.agent,
-            reward_fn=self.reward_fn,
-            hung_timeout=ecfg.hung_timeout,
-        )
+    async def _leave_engines(self, lc: Lifecycle) -> None:
+        """Leave servers attached to as they were found (`engine.restore_on_stop`), then let go of the lifecycle."""
+        if self.attached:
+            try:
+                await (lc.restore() if self.config.engine.restore_on_stop else lc.park())
+            except Exception as e:  # say it, and stop anyway: the servers' marks say what state they are in
+                log.error("could not leave the engine servers as they were found: %s", e)
+        lc.close()  # its lease, wherever left, is a dead owner's from now on
 
     @property
     def attached(self) -> bool:
@@ -197,71 +179,16 @@ class Runtime(SyncFacade):
             await self._shutdown()
 
     async def _shutdown(self) -> None:
-        if self.scheduler is not None:
-            try:
-                await self.scheduler.aclose()
-            except Exception as e:  # the engines must still be stopped
-                log.error("closing the agent loops failed: %s", e)
-        lc = self.lifecycle
-        if lc is not None and self.attached:
-            try:
-                await (lc.restore() if self.config.engine.restore_on_stop else lc.park())
-            except Exception as e:  # say it, and stop anyway: the servers' marks say what state they are in
-                log.error("could not leave the engine servers as they were found: %s", e)
-        if lc is not None:
-            lc.close()  # its lease, wherever left, is a dead owner's from now on
-        for c in self.clients:
-            with contextlib.suppress(Exception):
-                await c.close()
-        for p in reversed(self.processes):
-            try:
-                with anyio.fail_after(60):
-                    await p.stop()
-            except Exception as e:  # keep stopping the others; say which one failed
-                log.error("stopping engine %r failed: %s", getattr(p, "url", p), e)
-        self.processes.clear()
+        stack, self._teardown = self._teardown, None
         self.scheduler = None
+        if stack is not None:
+            await stack.aclose()
 
     async def __aenter__(self) -> "Runtime":
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-    # Engine provisioning lives in `agentloop.engine_setup`; these thin methods are what RayRuntime
-    # overrides (`_start_embedded`, `_launch`) or calls (`_client`, `_embedded_model`).
-    def _client(self, url: str) -> EngineClient:
-        return make_client(url, self.config.engine)
-
-    def _embedded_model(self) -> Path:
-        """The embedded engine's model folder (`engine.model`, else the shipped tiny tool model)."""
-        model = embedded_model(self.config.engine)
-        self.model_path = str(model)
-        return model
-
-    async def _start_embedded(self) -> None:
-        model = self._embedded_model()
-        urls = await start_embedded(self.config.engine, model, self.processes)
-        self.clients = [self._client(u) for u in urls]
-
-    async def _launch(self) -> None:
-        lc = self.config.engine.launch
-        assert lc is not None
-        self.model_path = lc.model_path
-        urls = await launch_sglang(self.config.engine, self.processes)
-        self.clients = [self._client(u) for u in urls]
-
-    async def _load_tokenizer(self) -> Any:
-        return await load_tokenizer(self.config.engine, self.model_path, self.clients)
-
-    async def _fit_context_to_engines(self) -> None:
-        """Lower `agent.max_context_tokens` to the engines' usable context (`fit_context_to_engines`)."""
-        self.config, self.engine_context_length = await fit_context_to_engines(self.config, self.clients)
-
-    def _load_tools(self) -> Any:
-        from ..tools.registry import ToolRegistry
-
-        return ToolRegistry.load(self.config.agent.tools)
 
     # ------------------------------------------------------------------ the step
     async def step(

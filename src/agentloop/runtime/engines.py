@@ -60,7 +60,7 @@ async def start_embedded(ecfg: EngineConfig, model: Path, processes: list[Any]) 
     """Start `engine.num_local_servers` CPU engines on `model`; their URLs in order."""
     from ..engine.local.process import LocalEngineProcess
 
-    procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local_args)) for _ in range(ecfg.num_local_servers)]
+    procs = [LocalEngineProcess(model, extra_args=tuple(ecfg.local.serve_args())) for _ in range(ecfg.num_local_servers)]
     processes.extend(procs)
     return await start_all(procs, ecfg.start_timeout)
 

@@ -43,7 +43,7 @@ def rows_to_samples(
     checked against the registry."""
     if not any(isinstance(s, Mapping) for s in samples):
         return list(samples)  # type: ignore[arg-type]
-    from ..agents.base import registered_agents
+    from ..agents.registry import registered_agents
     from ..dataset import row_to_sample
     from ..rewards import registered_rewards
 

@@ -57,7 +57,7 @@ from ..batch import collate
 from ..engine.base import EngineError
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
-from ..scheduler.filters import get_group_filter
+from ..group_filters import get_group_filter
 from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ..batch import RaggedBatch, RolloutBatch, ragged
-from .inputs import check_pad_to  # re-exported: it was defined here
 from ..types import Sample, Trajectory
 
-__all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream", "check_pad_to"]
+__all__ = ["AgentloopError", "StepCollateError", "StepError", "StepResult", "StepSleepError", "StepStream"]
 
 
 class AgentloopError(RuntimeError):

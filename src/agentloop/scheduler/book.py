@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from ..types import FINISHED_OK, Sample, Trajectory
-from .filters import GroupFilter
+from ..group_filters import GroupFilter
 
 log = logging.getLogger("agentloop.scheduler")
 

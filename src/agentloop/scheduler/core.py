@@ -59,7 +59,8 @@ import logging
 import time
 from typing import Any, AsyncIterable, Callable, Iterable, Mapping, Sequence
 
-from ..agents.base import AgentConfig, AgentLoop, get_agent
+from ..agents.base import AgentConfig, AgentLoop
+from ..agents.registry import get_agent
 from ..config.settings import SchedulerConfig
 from ..engine.router import Router
 from ..types import Sample
@@ -93,6 +94,7 @@ class Scheduler:
         reward_fn: RewardFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         hung_timeout: float | None = None,
+        agents: Callable[[str], AgentLoop] | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -108,6 +110,9 @@ class Scheduler:
         #: The step watchdog: a server with requests in flight that answers none for this long is hung
         #: and taken out (its requests retried elsewhere). None: no watchdog.
         self.hung_timeout = hung_timeout
+        #: How an agent name becomes a loop (one instance per name); default: the agent registry. Ray's
+        #: driver passes one whose loops run the trajectory on a worker.
+        self._make_agent = agents or get_agent
         self._agents: dict[str, AgentLoop] = {}
         self._runs: list[ScheduleRun] = []
         #: The weight versions this scheduler's runs saw, in order (how stale a token is).
@@ -116,7 +121,7 @@ class Scheduler:
     def agent(self, name: str) -> AgentLoop:
         """The agent loop registered as `name` (one instance per scheduler). Ray's driver overrides it."""
         if name not in self._agents:
-            self._agents[name] = get_agent(name)
+            self._agents[name] = self._make_agent(name)
         return self._agents[name]
 
     async def run(

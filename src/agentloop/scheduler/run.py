@@ -11,6 +11,19 @@ The parts it orchestrates, each with one job:
 
 The run's own state is what happens in time: the task group, the concurrency limit, the sessions of
 running trajectories, whether (and why) it is stopping, and where fresh prompts come from.
+
+As a stream (a trainer that takes groups as they finish), through `Scheduler`:
+
+    result = await scheduler.run([], more_samples=queue_of_samples,      # sync or async iterable
+                                 config=cfg.model_copy(update={"active": 512}),
+                                 on_group=hand_group_to_trainer)           # (members, verdict)
+    ...
+    scheduler.stop("weights changed")   # from another task: returns at once (see stop())
+
+`on_group` gets each group once every member finished (none carried), with its verdict; `stop`
+cuts tool waits, aborts the requests in flight in one round and cancels the wait on the feeder, and
+`result.carry_over` holds the unfinished trajectories (partials) for the next run. Weight versions
+changed in flight are counted for staleness once recorded with `scheduler.versions.observe(v)`.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 from .book import GroupBook, expand_samples
 from .feeder import Feeder
-from .filters import get_group_filter
+from ..group_filters import get_group_filter
 from .result import ScheduleResult, build_result
 from .staleness import VersionLog, token_staleness
 from .trajectory import TrajectoryRunner
@@ -75,6 +88,7 @@ class ScheduleRun:
         self.feeder: Feeder | None = Feeder(more_samples) if more_samples is not None else None
         self.refill_stop = ""  # why drawing from more_samples stopped, if it did
         self._room = anyio.Event()  # set when a trajectory finishes or the run stops: the feeder may draw
+        self._drawing: anyio.CancelScope | None = None  # an async feeder's wait for its next sample
         self.dropped: list[Sample] = []  # carried groups past max_staleness (stale_policy "drop")
         self.stale_restarted = 0  # carried trajectories past max_staleness restarted from their prompt
         #: Route sessions of the trajectories running now, by index.
@@ -126,6 +140,8 @@ class ScheduleRun:
         self.stopping = True
         self.stop_reason = reason
         self._room.set()  # the feeder stops drawing
+        if self._drawing is not None:
+            self._drawing.cancel()  # nor waits for a sample (an async source's wait takes nothing from it)
         if self._tg is None:
             return
         sessions = list(self.sessions.values())
@@ -236,7 +252,12 @@ class ScheduleRun:
             if self.book.budget_reached():
                 self.refill_stop = f"group_budget of {self.book.group_budget} groups reached"
                 return
-            sample = await feeder.next()
+            with anyio.CancelScope() as scope:
+                self._drawing = scope
+                sample = await feeder.next()
+            self._drawing = None
+            if scope.cancelled_caught:  # stopped while waiting: nothing was taken from the source
+                return
             if sample is None:
                 self.refill_stop = "more_samples exhausted"
                 return

@@ -14,11 +14,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..registry import Registry
+
 __all__ = [
     "ToolCall",
     "ToolCallParser",
     "HermesToolCallParser",
     "Llama3ToolCallParser",
+    "PARSERS",
     "register_parser",
     "get_parser",
     "registered_parsers",
@@ -56,7 +59,12 @@ class ToolCallParser(ABC):
         """Return (the text with the calls removed, the calls in order). Never raises on model output."""
 
 
-_PARSERS: dict[str, type[ToolCallParser]] = {}
+def _check_parser(name: str, cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
+        raise TypeError(f"{cls!r} is not a ToolCallParser subclass")
+
+
+PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser", check=_check_parser)
 
 
 def register_parser(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]]:
@@ -65,10 +73,7 @@ def register_parser(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCa
         raise ValueError("register_parser needs at least one name")
 
     def deco(cls: type[ToolCallParser]) -> type[ToolCallParser]:
-        if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
-            raise TypeError(f"{cls!r} is not a ToolCallParser subclass")
-        for n in names:
-            _PARSERS[n] = cls
+        PARSERS.register(*names)(cls)
         if not cls.name:
             cls.name = names[0]
         return cls
@@ -77,14 +82,12 @@ def register_parser(*names: str) -> Callable[[type[ToolCallParser]], type[ToolCa
 
 
 def get_parser(name: str) -> ToolCallParser:
-    try:
-        return _PARSERS[name]()
-    except KeyError:
-        raise KeyError(f"unknown tool-call parser {name!r}; registered: {sorted(_PARSERS)}") from None
+    """A new parser of the format registered as `name`."""
+    return PARSERS.get(name)()
 
 
 def registered_parsers() -> list[str]:
-    return sorted(_PARSERS)
+    return PARSERS.names()
 
 
 #: Most nesting levels (objects and arrays) a tool call's JSON may have; deeper is refused.

@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from ..yaml_strict import mark_where
+from ..yaml_strict import safe_load as strict_yaml_load
 from .base import Tool, ToolLike, first_line, function_of
 
 __all__ = ["ToolConfigError", "build_entry", "config_entries", "entry_line", "load_tool_class", "read_yaml"]
@@ -55,8 +57,6 @@ def read_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
         raise ToolConfigError(f"cannot read tool config {path}: {e}") from None
     # Imported here, not at the top: `agentloop.config` imports `agents.base`, which imports `tools`
     # (a top-level import made `import agentloop.agents.base` fail as a circular import).
-    from ..config.yaml_strict import mark_where
-    from ..config.yaml_strict import safe_load as strict_yaml_load
 
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)

@@ -14,40 +14,38 @@ function gets the group's trajectories (in member order) and returns True to acc
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..types import Trajectory
+from .registry import Registry
+from .types import Trajectory
 
-__all__ = ["GroupFilter", "get_group_filter", "register_group_filter", "registered_group_filters"]
+__all__ = ["GROUP_FILTERS", "GroupFilter", "get_group_filter", "register_group_filter", "registered_group_filters"]
 
 GroupFilter = Callable[[Sequence[Trajectory]], bool]
 
-_FILTERS: dict[str, GroupFilter] = {}
+
+def _check_callable(name: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"group filter {name!r}: {fn!r} is not callable")
+
+
+#: An unknown name is a ValueError: `SchedulerConfig.group_filter` validates through it.
+GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter", error=ValueError, check=_check_callable)
 
 
 def register_group_filter(name: str) -> Callable[[GroupFilter], GroupFilter]:
     """Decorator: `@register_group_filter("name")` makes a predicate selectable by `SchedulerConfig.group_filter`."""
     if not name:
         raise ValueError("a group filter needs a name")
-
-    def deco(fn: GroupFilter) -> GroupFilter:
-        if not callable(fn):
-            raise TypeError(f"group filter {name!r}: {fn!r} is not callable")
-        _FILTERS[name] = fn
-        return fn
-
-    return deco
+    return GROUP_FILTERS.register(name)
 
 
 def get_group_filter(name: str) -> GroupFilter:
-    try:
-        return _FILTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown group filter {name!r}; registered: {registered_group_filters()}") from None
+    return GROUP_FILTERS.get(name)
 
 
 def registered_group_filters() -> list[str]:
-    return sorted(_FILTERS)
+    return GROUP_FILTERS.names()
 
 
 @register_group_filter("drop_zero_variance")

@@ -4,8 +4,7 @@ Per trajectory it calls the user's function
 
     async def agent(client: openai.AsyncOpenAI, sample: agentloop.types.Sample) -> Any
 
-with a client bound to that trajectory's endpoint (`agentloop.endpoint`: a loopback server owned by
-this loop, started on first use and closed with the runtime). Every chat completion the agent makes
+with a client bound to that trajectory's endpoint (this package's loopback server, owned by this loop, started on first use and closed with the runtime). Every chat completion the agent makes
 is generated through the trajectory's `AgentContext.generate` — the scheduler's sticky route and the
 lifecycle gate — and recorded token for token (`TrajectoryRecorder`). The function is named by
 `agent.function` (`"package.module:function"`, in YAML: `agent: {agent: openai, function: ...}`) or
@@ -26,11 +25,13 @@ from typing import Any, Callable
 
 import anyio
 
-from ..endpoint import EndpointServer, TrajectoryRecorder
+from ..agents.base import AgentConfig, AgentContext, AgentLoop
+from ..agents.episode import Episode
+from ..agents.registry import register_agent
+from ..agents.resolve import import_path
 from ..types import Sample, Trajectory
-from .base import AgentConfig, AgentContext, AgentLoop, register_agent
-from .episode import Episode
-from .resolve import import_path
+from .recorder import TrajectoryRecorder
+from .server import EndpointServer
 
 __all__ = ["OpenAIAgent", "agent_function"]
 
