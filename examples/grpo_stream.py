@@ -1,9 +1,10 @@
 """GRPO that learns asynchronously: the streaming mode (trainer beside a never-sleeping engine, weights
-applied in flight) against the synchronous per-step mode, same task, same steps, same trainer.
+applied in flight) and the over-admitted colocated step against the synchronous per-step mode, same
+task, same steps, same trainer.
 
 The task is `examples/grpo_gpu.py`'s tiny mode: the shipped tiny tool model made weak (seeded weight
 noise), trained on arithmetic prompts with the calculator tool; the held-out reward (fresh questions)
-is measured before and after each run. Each of `--runs` repeats (seed r) runs both modes from the same
+is measured before and after each run. Each of `--runs` repeats (seed r) runs every mode from the same
 weak checkpoint on one runtime (one engine), in the order of `--modes` (reversed every other repeat):
 
 - **sync**: `rt.step(prompts, weights)` per step (staged wake-up → rollout → sleep), then the GRPO
@@ -19,7 +20,7 @@ weak checkpoint on one runtime (one engine), in the order of `--modes` (reversed
 
 Recorded per step and mode: the batch's mean reward, wall-clock seconds since the run started (rollout
 and training together), the staleness histogram of trained tokens; per run: held-out reward before and
-after, total seconds. JSON (rewritten as it goes) and a PNG (reward and wall-clock per step, both modes).
+after, total seconds. JSON (rewritten after every run) and a PNG (reward and wall-clock per step, every mode).
 
     python examples/grpo_stream.py --engine sglang --out DIR      # one H200: 30 steps, 2 runs per mode
     python examples/grpo_stream.py --engine cpu --out DIR         # the same code path at tiny sizes
