@@ -151,3 +151,31 @@ async def test_restore_as_found_reloads_under_the_version_found() -> None:
         await d.restore_as_found()
     assert not eng.released and ("update_disk", "/models/m") in eng.calls
     assert MemoryMark.decode(eng.weight_version).version == "base-7"
+
+
+def test_owner_renews_its_lease_when_half_gone_and_holds_nothing_once_closed() -> None:
+    from agentloop.engine.lease import owner_status
+
+    holder = Holder()
+    owner = Owner(holder, lease_timeout=100.0, takeover=False)
+    first = owner.held_lease()
+    assert first is not None and owner.held_lease() == first  # not due yet: the same lease
+    owner.lease = first.renewed(-60.0)  # as if 80% of it were gone
+    renewed = owner.held_lease()
+    assert renewed is not None and renewed.owner == first.owner and renewed.until > first.until - 60
+    other = Owner(Holder(), lease_timeout=100.0, takeover=False)
+    assert owner_status(owner.lease, other.lease) == "alive"
+    owner.close()
+    assert owner.held_lease() is None and owner_status(owner.lease, other.lease) == "dead"
+    other.close()
+
+
+def test_owner_check_names_the_remedy_and_takeover_takes() -> None:
+    keeper = Holder()
+    live = Owner(keeper, lease_timeout=100.0, takeover=False)
+    polite = Owner(Holder(), lease_timeout=100.0, takeover=False)
+    with pytest.raises(LifecycleError, match=r"another runtime drives this server now.*engine\.takeover: true"):
+        polite.check(live.lease, "http://a")
+    Owner(Holder(), lease_timeout=100.0, takeover=True).check(live.lease, "http://a")  # taken, with a warning
+    polite.check(None, "http://a")  # nobody holds it
+    assert polite.is_ours(polite.lease) and not polite.is_ours(live.lease) and not polite.is_ours(None)

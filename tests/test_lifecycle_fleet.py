@@ -110,3 +110,41 @@ async def test_probe_with_no_server_left_fails_naming_each() -> None:
     a.fail["model_info"] = EngineError("/model_info", None, "connection refused", url=a.url)
     with pytest.raises(LifecycleError, match=r"stage 'liveness' failed: no engine server left \(http://a: failed the liveness probe"):
         await f.probe(readmit=False)
+
+
+async def test_the_gate_watches_clients_through_the_typed_interface_only() -> None:
+    from agentloop.engine.gate import Gate, GateWatched
+
+    class Watched(MemEngine):
+        def __init__(self, url: str) -> None:
+            super().__init__(url)
+            self.sent_outside_awake = 0
+            self.is_open = None
+
+        def watch_gate(self, is_open) -> None:  # noqa: ANN001
+            self.is_open = is_open
+
+    watched, plain = Watched("http://a"), MemEngine("http://b")
+    plain.gate_open = None  # an attribute of that name no longer makes a client watched  # type: ignore[attr-defined]
+    gate = Gate([watched, plain], awake=True)
+    assert isinstance(watched, GateWatched) and not isinstance(plain, GateWatched)
+    assert watched.is_open is not None and watched.is_open() and plain.gate_open is None  # type: ignore[attr-defined]
+    await gate.close()
+    assert not watched.is_open()
+    watched.sent_outside_awake = 2
+    assert gate.generations_outside_awake == 2
+
+
+async def test_records_since_gives_one_calls_stages() -> None:
+    from agentloop.engine.lifecycle import Lifecycle
+
+    a = MemEngine("http://a")
+    lc = Lifecycle([a], awake=True)
+    await lc.sleep()
+    mark = lc.record_mark()
+    await lc.wake_up()
+    woke = lc.records_since(mark)
+    assert [(r.phase, r.stage) for r in woke] == [("wake_up", s) for s in ("resume_weights", "update_weights", "resume_kv_cache")]
+    woke.clear()  # a copy: the lifecycle's records are untouched
+    assert len(lc.records_since(mark)) == 3 and lc.records_since(lc.record_mark()) == []
+    lc.close()

@@ -39,9 +39,13 @@ class FakeEngine:
         self.generates: list[tuple[str, int]] = []  # (rid, len(input_ids))
         self.error_next: EngineError | None = None
         self.calls: list[str] = []
-        # Counted where the request "leaves", as SGLangClient does (the Lifecycle sets gate_open).
+        # Counted where the request "leaves", as SGLangClient does (the gate calls watch_gate).
         self.gate_open: Any = None
         self.sent_outside_awake = 0
+
+    def watch_gate(self, is_open: Any) -> None:
+        """`engine.gate.GateWatched`, as SGLangClient."""
+        self.gate_open = is_open
 
     def _check(self, endpoint: str) -> None:
         if self.dead:

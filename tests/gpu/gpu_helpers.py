@@ -129,6 +129,12 @@ class InstrumentedClient:
     def _state(self) -> str:
         return self.lifecycle.state.value if self.lifecycle is not None else "?"
 
+    def watch_gate(self, is_open: Any) -> None:
+        """`GateWatched` (sync, unlike the delegated calls below): the wrapped client counts too."""
+        watch = getattr(self.inner, "watch_gate", None)
+        if watch is not None:
+            watch(is_open)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
         if not callable(attr) or name.startswith("_"):

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import anyio
 
@@ -30,7 +30,7 @@ from .base import EngineClient, EngineError, EngineUnavailable, GenerateOutput, 
 from .memory_mark import served_version
 from .state import EngineState
 
-__all__ = ["Gate", "GateControl"]
+__all__ = ["Gate", "GateControl", "GateWatched"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,19 @@ class GateControl(Protocol):
 
     async def admit(self, url: str) -> None:
         """`url` (back) in rotation."""
+
+
+@runtime_checkable
+class GateWatched(Protocol):
+    """A client that checks, at the moment a generate or `/health` leaves it, that its gate is open, and
+    counts the ones that leave while it is not (`SGLangClient` does; a gate tells each such client of
+    its own state with `watch_gate`). Clients without it are simply not counted."""
+
+    #: generates and /health calls sent while the watching gate said closed (stays 0)
+    sent_outside_awake: int
+
+    def watch_gate(self, is_open: Callable[[], bool]) -> None:
+        """From now on, `is_open()` says whether generation is allowed (AWAKE)."""
 
 
 @dataclass
@@ -97,8 +110,8 @@ class Gate:
             self._open_event.set()
         self.weight_version: str | None = None
         for c in clients:
-            if hasattr(c, "gate_open"):  # `SGLangClient` counts what it sends while told the gate is closed
-                c.gate_open = lambda: self.is_open
+            if isinstance(c, GateWatched):
+                c.watch_gate(lambda: self.is_open)
         #: wall-clock times of recent openings and closings (checked against dispatch times by tests)
         self.opened_at: deque[float] = deque(maxlen=1000)
         self.closed_at: deque[float] = deque(maxlen=1000)
@@ -118,8 +131,8 @@ class Gate:
         """Generates and `/health` calls whose HTTP request left a client while this gate was closed
         (counted by the clients at the send, after the gate was passed; 0 for clients that cannot count).
         Stays 0: asserted by tests and GPU runs."""
-        counts = (getattr(c, "sent_outside_awake", 0) for c in self._all.values())
-        return sum(n for n in counts if isinstance(n, int))
+        counts = (c.sent_outside_awake for c in self._all.values() if isinstance(c, GateWatched))
+        return sum(n for n in counts if isinstance(n, int))  # (a test wrapper may keep a list of its own)
 
     @property
     def urls(self) -> list[str]:

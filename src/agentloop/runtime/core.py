@@ -224,7 +224,7 @@ class Runtime(SyncFacade):
             check_reward_name(cfg.reward)
         async with self._step_lock:
             lc = self.lifecycle
-            first_record, first_event = len(lc.records), len(lc.server_events)
+            first_record, first_event = lc.record_mark(), len(lc.server_events)
             t0 = time.monotonic()
             version: str | None = None
             result: ScheduleResult | None = None
@@ -264,7 +264,7 @@ class Runtime(SyncFacade):
             self.steps_done += 1
             metrics = step_metrics(
                 result.metrics, step=self.steps_done, weight_version=version, times=(t0, t_awake, t_rolled, t_end),
-                records=lc.records[first_record:], server_events=lc.server_events[first_event:],
+                records=lc.records_since(first_record), server_events=lc.server_events[first_event:],
                 generations_outside_awake=lc.generations_outside_awake, out_of_rotation=lc.out_of_rotation)
             return StepResult(
                 step=self.steps_done, weight_version=version, trajectories=rows, batch=batch,

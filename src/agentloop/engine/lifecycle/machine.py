@@ -1,7 +1,5 @@
 """`Lifecycle`: the state machine that drives engine servers' memory through wake and sleep, and moves
-the gates it owns. Its parts: `ServerDriver` (one server: memory calls, marks, lease, attach state),
-`Fleet` (rotation, gates, stages fanned out and recorded), `Owner` (the lease). `_state` is written
-here only.
+the gates it owns; its parts (`ServerDriver`, `Fleet`, `Owner`) do the work. `_state` is written here only.
 
 States: SLEEPING → WEIGHTS_RESUMED → WEIGHTS_LOADED → AWAKE → DRAINING → SLEEPING.
 
@@ -11,6 +9,7 @@ tag at once, then loads. `sleep()`: DRAINING → close every gate → liveness p
 in-flight requests → wait for them to settle (in every gate) → continue_generation → flush_cache
 (retried while busy) → release every tag → SLEEPING. The continue sits in the sleep, not the wake-up:
 a paused SGLang server holds new requests until continued, so the engine is unpaused before it sleeps.
+`update_weights_in_flight(weights)` (AWAKE only): new weights while requests run (see its docstring).
 
 Every stage fans out to the servers in rotation and is awaited as one; a server that fails a stage,
 the liveness probe or, mid-step, the router or the step watchdog is taken out while the others go on.
@@ -22,35 +21,23 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import anyio
 
-from ..base import MEMORY_TAGS, EngineClient, GenerateOutput, SamplingParams
-from ..gate import Gate, GateControl
-from ..lease import Lease
+from ..base import MEMORY_TAGS, EngineClient
+from ..gate import Gate
 from ..state import EngineState
 from .fleet import Fleet, RecordMark
-from .log import log
+from .log import forward as _forward, log
 from .owner import Owner
 from .server import ServerDriver
 from .types import SLEEP_STAGES, AttachState, LifecycleError, LifecycleSettings, StageRecord, WakeUp, Weights, same_weights
 
 __all__ = ["Lifecycle"]
 
-WeightsLike = "Weights | Mapping[str, Any] | str | Path | None"
-
-
-def _forward(part: str, name: str, doc: str, *, settable: bool = False) -> property:
-    """A read-through to `self.<part>.<name>` (the lifecycle's public face keeps what its parts do)."""
-
-    def get(self: Any) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def put(self: Any, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, put if settable else None, doc=doc)
+#: What `wake_up` and `update_weights_in_flight` accept (`Weights.coerce`).
+WeightsLike = Union[Weights, Mapping[str, Any], str, Path, None]
 
 
 class Lifecycle:
@@ -113,10 +100,10 @@ class Lifecycle:
         log.debug("lifecycle %s -> %s", self._state.value, state.value)
         self._state = state
 
-    @property
-    def records(self) -> list[StageRecord]:
-        """Every stage run so far, in order (`record_mark` / `records_since` read one call's)."""
-        return self.fleet.records
+    records = _forward("fleet", "records", "Every stage run so far, in order (`records_since` reads one call's).")
+    server_events = _forward("fleet", "server_events", "Servers leaving and re-entering rotation.")
+    gate_windows = _forward("fleet", "gate_windows", "Wall-clock spans during which the gates were open.")
+    lease = _forward("owner", "lease", "This lifecycle's lease (`owner.py`).")
 
     def record_mark(self) -> RecordMark:
         """A position in `records`: pass it to `records_since` after a wake-up, sleep or update."""
@@ -126,20 +113,8 @@ class Lifecycle:
         """The stages run since `mark` (e.g. one step's wake-up and sleep), a copy."""
         return self.fleet.records_since(mark)
 
-    @property
-    def server_events(self) -> list[dict[str, Any]]:
-        return self.fleet.server_events
-
-    @property
-    def gate_windows(self) -> list[list[float]]:
-        return self.fleet.gate_windows
-
-    @property
-    def lease(self) -> Lease:
-        return self.owner.lease
-
     # ------------------------------------------------------------------ transitions
-    async def wake_up(self, weights: WeightsLike = None) -> str | None:  # type: ignore[valid-type]
+    async def wake_up(self, weights: WeightsLike = None) -> str | None:
         """Staged wake-up; returns the weight version now served.
 
         "The same weights" means the same state dict object or the same path (see `same_weights`),
@@ -168,7 +143,7 @@ class Lifecycle:
             if self._state is EngineState.DRAINING:
                 # the lock is free, so no sleep is running: the last one (or an update) failed part-way
                 raise LifecycleError(
-                    "wake_up", f"the last sleep failed at stage '{self._sleep_resume_at}' and the "
+                    "wake_up", f"the last sleep (or in-flight update) failed at stage '{self._sleep_resume_at}' and the "
                     "engines are DRAINING; call sleep() to finish it, then wake_up")
             self._waking = wake = WakeUp(w)
             try:
@@ -250,6 +225,58 @@ class Lifecycle:
             self._sleep_resume_at = None
             self._set_state(EngineState.SLEEPING)
             await self.fleet.mark_sleeping()
+
+    async def update_weights_in_flight(self, weights: WeightsLike,
+                                       *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:
+        """New weights while AWAKE, without draining: the running requests pause, the weights and the
+        served version change, the same requests go on under the new version. Returns the version
+        served (a no-op, like `wake_up`, for the weights already served). Stages (phase
+        "update_in_flight"): close the gates (generates arriving meanwhile wait there) → pause every
+        server in rotation → load through the wake-up's path (`ServerDriver.load`, its checks, the new
+        version in the same call) → continue → open the gates on the new version.
+
+        `retract`, not `in_place` (sglang 0.5.17's scheduler): `in_place` only stops the loop, so the
+        tokens sampled after the continue attend to KV the old weights wrote (a half-updated model);
+        `retract` frees the running requests' KV and requeues them, re-prefilled (prompt + tokens so
+        far) under the new weights. Cost: one re-prefill of the running contexts. (SGLang's radix cache
+        may still hold prefix KV cached before the update: `--disable-radix-cache` where that matters.)
+        Paused requests stay queued, so a flush fails and SGLang asserts a load's flush: the load is
+        sent with `flush_cache=False`.
+
+        Failure: a pause failing everywhere → servers continued, old weights served (AWAKE). A load or
+        continue failing everywhere may leave half-written weights behind paused requests: gates
+        closed, DRAINING at "pause" (`sleep()` aborts them, then `wake_up(weights)`). A server failing
+        alone is taken out of rotation.
+        """
+        w = Weights.coerce(weights)
+        if w is None:
+            raise ValueError("update_weights_in_flight needs weights (a state dict, a path or Weights)")
+        phase = "update_in_flight"
+        async with self._transition_lock:
+            if self._state is not EngineState.AWAKE:
+                raise LifecycleError(phase, f"the engines are {self._state.value}, not AWAKE: use wake_up(weights)")
+            if self._serves(w):
+                return self.weight_version
+            version = self._next_version(w)
+            await self.fleet.close_gates()
+            try:
+                await self.fleet.stage(phase, "pause", lambda d: d.pause(pause_mode))
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.fleet.unpause_best_effort(phase)
+                    await self.fleet.open_gates(self.weight_version)
+                raise
+            try:
+                await self.fleet.stage(phase, "update_weights", lambda d: d.load(w, version, flush_cache=False))
+                self.weight_version, self._last_weights = version, w
+                await self.fleet.stage(phase, "continue", lambda d: d.unpause())
+            except BaseException:
+                self._set_state(EngineState.DRAINING)
+                self._sleep_resume_at = SLEEP_STAGES[0]
+                raise
+            await self.fleet.open_gates(version)
+            log.info("weights updated in flight (%s mode): now serving %s", pause_mode, version)
+            return version
 
     async def park(self) -> None:
         """Mark every sleeping server in rotation as left asleep on purpose (see `MemoryMark.parked`),

@@ -22,7 +22,7 @@ import torch
 
 from . import weights as weight_io
 from .admission import EngineInputError, build_request
-from .memory import MemoryManager, MemoryTagError, normalize_tags
+from .memory import SGLANG_WOULD_CRASH, MemoryManager, MemoryTagError, normalize_tags
 from .model_runner import ModelRunner
 from .request import Notifier, Request
 from .scheduler import PAUSE_MODES, Scheduler
@@ -235,6 +235,14 @@ class LocalEngine:
             raise EngineInputError(f"weight_version must be a string, got {weight_version!r}")
 
         def _apply() -> str:
+            if flush_cache and self.scheduler.paused and self.scheduler.busy():
+                # SGLang asserts the flush after a weight load succeeds (scheduler_update_weights_mixin:
+                # "Cache flush failed after updating weights"), and a flush fails while requests are
+                # paused in place or retracted to its queue: that assert kills the scheduler.
+                raise EngineInputError(
+                    f"{SGLANG_WOULD_CRASH} (its flush after the weight load fails while {len(self.scheduler.running)} "
+                    f"running and {len(self.scheduler.waiting)} queued request(s) are paused, and it asserts the flush "
+                    "succeeded): send the update with flush_cache=false while generation is paused")
             if "weights" in self.memory.released:
                 raise EngineInputError(
                     "weights are released; call /resume_memory_occupation with tags ['weights'] before updating them"

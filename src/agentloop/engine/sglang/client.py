@@ -81,9 +81,10 @@ class SGLangClient(HttpTransport):
         super().__init__(url, timeout=timeout, session=session, retries=retries, backoff=backoff,
                          max_connections=max_connections, keepalive_timeout=keepalive_timeout)
         self.generate_timeout = generate_timeout
-        #: Set by the lifecycle gating this client: whether generation is allowed now (AWAKE). A generate
-        #: or /health whose request leaves while it says no is counted in `sent_outside_awake` — measured
-        #: at the send, after any lookup the call awaited, not where the gate was passed.
+        #: Set by the gate watching this client (`watch_gate`, `engine.gate.GateWatched`): whether
+        #: generation is allowed now (AWAKE). A generate or /health whose request leaves while it says no
+        #: is counted in `sent_outside_awake` — measured at the send, after any lookup the call awaited,
+        #: not where the gate was passed.
         self.gate_open: Callable[[], bool] | None = None
         self.sent_outside_awake = 0
         #: What this client knows of the served model (vocabulary, parameter shapes, transport, TP size).
@@ -98,6 +99,10 @@ class SGLangClient(HttpTransport):
     async def prepare(self) -> None:
         """Look up the served model's facts now (see `ServedModel.prepare`), e.g. while starting up."""
         await self.served.prepare()
+
+    def watch_gate(self, is_open: Callable[[], bool]) -> None:
+        """`engine.gate.GateWatched`: count what this client sends while `is_open()` says no."""
+        self.gate_open = is_open
 
     def _sending_generation(self, endpoint: str) -> None:
         if self.gate_open is not None and not self.gate_open():
