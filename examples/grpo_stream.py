@@ -15,7 +15,7 @@ weak checkpoint on one runtime (one engine), in the order of `--modes` (reversed
 - **stream**: `rollout_stream(rt, feeder, StreamConfig(batch_groups=prompts, active=...,
   max_staleness=η))`: the engine stays awake with `--active` trajectories in flight; each batch of
   complete groups is trained on as it comes and the new weights are applied in flight
-  (`update_weights`: pause → load → continue). The PPO ratio is taken to the logprobs of the weights
+  (`update_weights`: the requests in flight end, the weights load, generation goes on). The PPO ratio is taken to the logprobs of the weights
   that sampled each token (the rollout logprobs), so stale tokens are clipped like any off-policy one.
 
 Recorded per step and mode: the batch's mean reward, wall-clock seconds since the run started (rollout
