@@ -352,12 +352,15 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                     out["skipped"].append({"tool_latency_mean_s": lat, "mode": mode, "active": active,
                                            "why": f"deadline: {left:.0f}s left"})
                     continue
-                run_args = argparse.Namespace(**{**vars(args), "run_limit": min(limit, left)})
+                eta = args.max_staleness if args.max_staleness is not None else \
+                    2 * math.ceil(active / (args.batch_groups * args.group_size))
+                run_args = argparse.Namespace(**{**vars(args), "run_limit": min(limit, left), "max_staleness": eta})
                 src = GroupSource(WorkloadSpec(**{**spec.as_dict(), "tool_latency_mean": lat}), args.tool_latency_cap,
                                   tag=f"{mode}-{active}-{lat:g}")
                 print(f"{mode:15s} tools {lat:g}s, {active} in flight ...", flush=True)
                 run = await RUNNERS[mode](rt, engine, run_args, src, weights, active)
                 run.update(mode=mode, tool_latency_mean_s=lat, active=active, run_limit_s=r4(run_args.run_limit),
+                           max_staleness=eta if mode in ("over_admission", "streaming") else None,
                            complete_steps=run["steps"] >= args.steps)
                 out["runs"].append(run)
                 print(f"{mode:15s} tools {lat:g}s, {run['in_flight']} in flight: {run['trained_tokens_per_s']:9.1f} trained tok/s "
@@ -419,7 +422,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=[0.05, 0.2], help="mean tool latency, seconds (exponential, capped; a sweep)")
     w.add_argument("--tool-latency-cap", type=float, default=3.0, help="tool latency cap, seconds")
     w.add_argument("--tool-result-median", type=float, default=8.0)
-    w.add_argument("--max-staleness", type=int, default=2, help="η: over-admission's carried groups, streaming's bound")
+    w.add_argument("--max-staleness", type=int, default=None,
+                   help="η: over-admission's carried trajectories, streaming's bound (default: per run, "
+                        "2 x ceil(active / (batch_groups x group_size)): AReaL's rule admits at most (η + 1) batches "
+                        "ahead, so a smaller η could not keep `active` in flight, and trajectories stay in flight "
+                        "about active / batch steps)")
     w.add_argument("--max-queued-batches", type=int, default=2, help="streaming: the queue bound, in batches")
     w.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     w.add_argument("--run-limit", type=float, default=120.0, help="seconds one run may take (it stops after its step)")
@@ -432,14 +439,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "in flight, 2 s and 0.5 s tools")
     w.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.gpu_scale:
-        args.turns, args.prompt_tokens, args.gen_median, args.gen_sigma, args.gen_max = 4, 256, 64.0, 1.0, 1024
-        args.tool_result_median, args.batch_groups, args.group_size = 32.0, 16, 4
-        # the sweep, unless the command line picked its own points
-        if args.active == p.get_default("active"):
-            args.active = [768, 1536, 256]
-        if args.tool_latency_means == p.get_default("tool_latency_means"):
-            args.tool_latency_means = [2.0, 0.5]
+    if args.gpu_scale:  # the workload as defaults: flags given on the command line still win
+        p.set_defaults(turns=4, prompt_tokens=256, gen_median=64.0, gen_sigma=1.0, gen_max=1024, tool_result_median=32.0,
+                       batch_groups=16, group_size=4, active=[768, 1536, 256], tool_latency_means=[2.0, 0.5])
+        args = p.parse_args(argv)
     if args.smoke:
         args.batch_groups, args.group_size, args.steps, args.active, args.turns = 2, 2, 3, [6], 2
         args.tool_latency_means, args.gen_median, args.gen_max, args.prompt_tokens = [0.01], 3, 8, 8

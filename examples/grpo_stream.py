@@ -1,22 +1,26 @@
 """GRPO that learns asynchronously: the streaming mode (trainer beside a never-sleeping engine, weights
-applied in flight) against the synchronous per-step mode, same task, same steps, same trainer.
+applied in flight) and the over-admitted colocated step against the synchronous per-step mode, same
+task, same steps, same trainer.
 
 The task is `examples/grpo_gpu.py`'s tiny mode: the shipped tiny tool model made weak (seeded weight
 noise), trained on arithmetic prompts with the calculator tool; the held-out reward (fresh questions)
-is measured before and after each run. Each of `--runs` repeats (seed r) runs both modes from the same
-weak checkpoint on one runtime (one engine):
+is measured before and after each run. Each of `--runs` repeats (seed r) runs every mode from the same
+weak checkpoint on one runtime (one engine), in the order of `--modes` (reversed every other repeat):
 
 - **sync**: `rt.step(prompts, weights)` per step (staged wake-up → rollout → sleep), then the GRPO
   update (`grpo_gpu.grpo_train_step`: group advantages, PPO-clipped ratio to the rollout logprobs);
+- **over**: the colocated step with over-admission: `rt.step(carry, weights, target_groups=prompts,
+  active=--active, more_samples=feeder)` keeps `--active` trajectories in flight, returns once the batch's
+  groups are complete and carries the rest (partial rollouts, restarted past η) into the next step;
 - **stream**: `rollout_stream(rt, feeder, StreamConfig(batch_groups=prompts, active=...,
   max_staleness=η))`: the engine stays awake with `--active` trajectories in flight; each batch of
   complete groups is trained on as it comes and the new weights are applied in flight
-  (`update_weights`: pause → load → continue). The PPO ratio is taken to the logprobs of the weights
+  (`update_weights`: the requests in flight end, the weights load, generation goes on). The PPO ratio is taken to the logprobs of the weights
   that sampled each token (the rollout logprobs), so stale tokens are clipped like any off-policy one.
 
 Recorded per step and mode: the batch's mean reward, wall-clock seconds since the run started (rollout
 and training together), the staleness histogram of trained tokens; per run: held-out reward before and
-after, total seconds. JSON (rewritten as it goes) and a PNG (reward and wall-clock per step, both modes).
+after, total seconds. JSON (rewritten after every run) and a PNG (reward and wall-clock per step, every mode).
 
     python examples/grpo_stream.py --engine sglang --out DIR      # one H200: 30 steps, 2 runs per mode
     python examples/grpo_stream.py --engine cpu --out DIR         # the same code path at tiny sizes
@@ -106,6 +110,14 @@ async def one_run(rt: Runtime, mode: str, seed: int, args: argparse.Namespace, m
             res = await rt.step([next(prompts) for _ in range(args.prompts)], weights)
             train = grpo_train_step(model, opt, res.batch, device)
             record(step, res.batch, res.trajectories, {0: int(res.batch["response_mask"].sum())}, train)
+    elif mode == "over":
+        prompts, carry = feeder(seed, args.prompts), []
+        for step in range(1, args.steps + 1):
+            res = await rt.step(carry, weights, target_groups=args.prompts, active=args.active, more_samples=prompts,
+                                partial_rollout=True, max_staleness=args.max_staleness, stale_policy="restart")
+            train = grpo_train_step(model, opt, res.batch, device)
+            record(step, res.batch, res.trajectories, {int(k): v for k, v in res.metrics["token_staleness"].items()}, train)
+            carry = res.carry_over  # partial rollouts: resumed next step under the new weights
     else:
         cfg = StreamConfig(batch_groups=args.prompts, active=args.active, max_staleness=args.max_staleness)
         async with rollout_stream(rt, feeder(seed, args.prompts), cfg, weights=weights) as s:
@@ -128,7 +140,7 @@ async def one_run(rt: Runtime, mode: str, seed: int, args: argparse.Namespace, m
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for mode in ("sync", "stream"):
+    for mode in ("sync", "over", "stream"):
         rs = [r for r in runs if r["mode"] == mode]
         if not rs:
             continue
@@ -138,8 +150,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "held_out_gain_spread": (max(gains) - min(gains)) if gains else None,
                      "train_wall_s": walls, "train_wall_s_mean": sum(walls) / len(walls),
                      "seconds_per_step_mean": sum(walls) / sum(len(r["steps"]) for r in rs)}
-    if "sync" in out and "stream" in out:
-        out["stream_over_sync_wall"] = out["stream"]["train_wall_s_mean"] / out["sync"]["train_wall_s_mean"]
+    for mode in ("stream", "over"):
+        if "sync" in out and mode in out:
+            out[f"{mode}_over_sync_wall"] = out[mode]["train_wall_s_mean"] / out["sync"]["train_wall_s_mean"]
     return out
 
 
@@ -150,7 +163,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    colors = {"sync": "tab:gray", "stream": "tab:blue"}
+    colors = {"sync": "tab:gray", "over": "tab:orange", "stream": "tab:blue"}
     for r in report["runs"]:
         xs = [s["step"] for s in r["steps"]]
         a.plot(xs, [s["reward_mean"] for s in r["steps"]], color=colors[r["mode"]], alpha=0.8,
@@ -164,8 +177,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     s = report.get("summary", {})
-    gains = {m: s.get(m, {}).get("held_out_gain_mean") for m in ("sync", "stream")}
-    fig.suptitle(f"GRPO, {report['engine']} engine: held-out gain sync {gains['sync']} / stream {gains['stream']}", fontsize=9)
+    gains = {m: s.get(m, {}).get("held_out_gain_mean") for m in ("sync", "over", "stream")}
+    fig.suptitle(f"GRPO, {report['engine']} engine: mean held-out gain " +
+                 ", ".join(f"{m} {g:+.3f}" for m, g in gains.items() if g is not None), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -184,7 +198,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     cfg["scheduler"]["concurrency"] = max(args.active, args.prompts * args.n)
     async with Runtime(cfg) as rt:
         for seed in range(args.runs):
-            for mode in (("sync", "stream") if seed % 2 == 0 else ("stream", "sync")):  # alternate who goes first
+            for mode in (args.modes if seed % 2 == 0 else args.modes[::-1]):  # alternate who goes first
                 report["runs"].append(await one_run(rt, mode, seed, args, model_dir, device))
                 report["summary"] = summarize(report["runs"])
                 json_path.write_text(json.dumps(report, indent=1, default=str))
@@ -206,7 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--mem-fraction", type=float, default=None)
-    p.add_argument("--max-staleness", type=int, default=1, help="η of the streaming mode")
+    p.add_argument("--max-staleness", type=int, default=1, help="η of the streaming mode and of over-admission's carry")
+    p.add_argument("--modes", nargs="+", choices=["sync", "over", "stream"], default=["sync", "over", "stream"])
     p.add_argument("--noise", type=float, default=0.3, help="weight noise of the weak checkpoint (x std)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="grpo_stream_out")

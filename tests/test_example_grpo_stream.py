@@ -28,7 +28,7 @@ def test_grpo_stream_example_on_the_cpu_engine(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "grpo_stream_cpu.json").read_text())
     assert report["generations_outside_awake"] == 0
     runs = {r["mode"]: r for r in report["runs"]}
-    assert set(runs) == {"sync", "stream"}
+    assert set(runs) == {"sync", "over", "stream"}
     for r in runs.values():
         assert [s["step"] for s in r["steps"]] == [1, 2, 3]
         assert all(math.isfinite(s["loss"]) and 0.0 <= s["reward_mean"] <= 1.0 for s in r["steps"])
@@ -36,7 +36,8 @@ def test_grpo_stream_example_on_the_cpu_engine(tmp_path: Path) -> None:
         assert r["train_wall_s"] > 0
     assert all(set(s["staleness"]) == {"0"} for s in runs["sync"]["steps"])
     assert all(max(int(k) for k in s["staleness"]) <= 1 for s in runs["stream"]["steps"])
+    assert all(max(int(k) for k in s["staleness"]) <= 1 for s in runs["over"]["steps"])
     m = runs["stream"]["stream_metrics"]
     assert m["updates"] == 2 and m["generations_outside_awake"] == 0
-    assert set(report["summary"]) >= {"sync", "stream", "stream_over_sync_wall"}
+    assert set(report["summary"]) >= {"sync", "over", "stream", "stream_over_sync_wall", "over_over_sync_wall"}
     assert (tmp_path / "grpo_stream_cpu.png").read_bytes()[:4] == b"\x89PNG"

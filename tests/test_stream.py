@@ -139,6 +139,39 @@ async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
         assert all(t.status == "completed" for t in res.trajectories)
 
 
+class FailingUpdateEngine(FakeEngine):
+    """Refuses one weight update (after the requests in flight were ended for it)."""
+
+    fail_next_update = False
+
+    async def update_weights_from_tensor(self, named_tensors, **kw):  # type: ignore[no-untyped-def]
+        if self.fail_next_update:
+            self.fail_next_update = False
+            from agentloop.engine.base import EngineError
+
+            raise EngineError("/update_weights_from_tensor", 400, "bad tensor", url=self.url)
+        return await super().update_weights_from_tensor(named_tensors, **kw)
+
+
+async def test_a_failed_update_leaves_the_engine_generating() -> None:
+    eng = FailingUpdateEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    async with rt:
+        async with rollout_stream(rt, feed(12), StreamConfig(batch_groups=2, active=8)) as s:
+            async for batch in s:
+                if batch.index == 1:
+                    eng.fail_next_update = True
+                    with pytest.raises(Exception, match="bad tensor"):
+                        await s.update_weights({"w": 1}, version="bad")
+                    assert rt.lifecycle.gate.is_open  # the gates reopened on the old weights although the load failed
+                    assert s.weight_version != "bad"
+                else:
+                    await s.update_weights({"w": batch.index})
+            m = s.metrics
+    assert m["batches"] == 6 and m["groups_accepted"] == 12  # the stream went on to the end
+    assert m["updates"] == 5
+
+
 def test_sync_stream_and_errors() -> None:
     eng = FakeEngine("http://a")
     rt = runtime(eng)

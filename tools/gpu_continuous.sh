@@ -4,19 +4,22 @@
 # On the GPU host, from the repo root (carry: [".whl", ".gpu-out"], see docs/gpu.md):
 #     source tools/gpu/install_on_device.sh || exit 1; bash tools/gpu_continuous.sh "$OUT"
 # One SGLang server (Qwen2.5-0.5B shape, --load-format dummy, memory saver, decode CUDA graphs up to
-# batch CONT_MAX_BS=256, --mem-fraction-static 0.5: the issue's server) serves, in this order:
-#   1. long_tail   benchmarks/long_tail.py at the issue's scale: 64 groups x 4 per step, --oversample 3
+# batch CONT_MAX_BS=256, --mem-fraction-static 0.5: the issue's server) serves, in this order (CONT_PARTS,
+# default "continuous long_tail"; continuous leaves long_tail its CONT_LT_LIMIT when both are wanted):
+#   1. continuous  benchmarks/continuous.py --gpu-scale: per_step vs over_admission vs streaming vs
+#                  bare_refill, 10 steps of 16 groups x 4, the same workload; 2 s tools first at
+#                  768 / 1536 / 256 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (120 s),
+#                  every other run CONT_RUN_LIMIT (60 s); runs the budget cannot fit are skipped
+#                  and listed in the JSON ("skipped")
+#   2. long_tail   benchmarks/long_tail.py at the issue's scale: 64 groups x 4 per step, --oversample 3
 #                  (768 in flight), 3 steps each way, 4 turns, 256-token prompts, lognormal(64, sigma 1)
 #                  turns up to 1024, 32-token tool results, exponential 2 s tools capped at 3 s
 #                  (stop_tail_s per step; returned tokens/s of over-sampling vs wait-all)
-#   2. continuous  benchmarks/continuous.py --gpu-scale: per_step vs over_admission vs streaming vs
-#                  bare_refill, 10 steps of 16 groups x 4, the same workload; 2 s tools first at
-#                  768 / 1536 / 256 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (150 s),
-#                  every other run CONT_RUN_LIMIT (50 s); runs the budget cannot fit are skipped
-#                  and listed in the JSON ("skipped")
-# CONT_BUDGET (default 450 s) counts from this script's start: with ~30 s of install and the server's
-# ~60-100 s start (JIT cache restored), the call stays near 8 minutes. CONT_PARTS="long_tail continuous"
-# picks parts; CONT_LT_ARGS / CONT_ARGS add arguments to each benchmark.
+# CONT_BUDGET (default 540 s) counts from this script's start: with ~30 s of install before it the call
+# stays under 9.5 minutes; with both parts: at 2 s tools per_step (~100 s) + the 3 others at 768 in
+# flight, then long_tail (~170 s); CONT_PARTS=continuous gives continuous the whole budget.
+# CONT_LT_ARGS / CONT_ARGS add arguments (explicit flags win over --gpu-scale's), e.g. a second call for what the first skipped:
+#   CONT_PARTS=continuous CONT_ARGS="--modes over_admission streaming bare_refill --active 1536 256"
 # CONT_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang at --smoke
 # sizes: proves the script end to end; not GPU results.
 #
@@ -31,10 +34,10 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 LOG="$OUTDIR/gpu_continuous.log"
 T0=$(date +%s)
-BUDGET=${CONT_BUDGET:-450}
+BUDGET=${CONT_BUDGET:-540}
 DRYRUN=${CONT_DRYRUN:-0}
 MAX_BS=${CONT_MAX_BS:-256}
-PARTS=" ${CONT_PARTS:-long_tail continuous} "
+PARTS=" ${CONT_PARTS:-continuous long_tail} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
@@ -57,8 +60,8 @@ else
   LT_SIZE="--target-groups 64 --group-size 4 --oversample 3 --steps 3 --turns 4 --prompt-tokens 256 --gen-median 64
     --gen-sigma 1.0 --traj-sigma 0 --gen-max 1024 --tool-result-median 32 --tool-latency-dist exponential
     --tool-latency-mean 2 --tool-latency-cap 3"
-  CONT_SIZE="--gpu-scale --per-step-limit ${CONT_PER_STEP_LIMIT:-150} --run-limit ${CONT_RUN_LIMIT:-50}"
-  LT_LIMIT=${CONT_LT_LIMIT:-190}; CONT_LIMIT=100000
+  CONT_SIZE="--gpu-scale --per-step-limit ${CONT_PER_STEP_LIMIT:-120} --run-limit ${CONT_RUN_LIMIT:-60}"
+  LT_LIMIT=${CONT_LT_LIMIT:-170}; CONT_LIMIT=100000
 fi
 
 # A server a cut-short earlier call left behind would hold GPU memory and compute through every figure.
@@ -127,13 +130,15 @@ run_part() {  # NAME LIMIT BENCHMARK ARGS...: benchmarks/BENCHMARK.py against th
 }
 
 start_server || { tail -30 "$LOG"; exit 1; }
-# shellcheck disable=SC2086  # the size strings are word lists on purpose
-want long_tail && run_part long_tail "$LT_LIMIT" long_tail $LT_SIZE ${CONT_LT_ARGS:-}
 if want continuous; then
-  # the benchmark skips (and lists) the runs that would end past the budget: its deadline is what is left
-  # shellcheck disable=SC2086
-  run_part continuous "$CONT_LIMIT" continuous $CONT_SIZE --deadline $(( $(left) - 15 )) ${CONT_ARGS:-}
+  # the benchmark skips (and lists) the runs that would end past the budget: its deadline is what is left,
+  # less long_tail's share when that part is wanted too
+  share=0; want long_tail && share=$LT_LIMIT
+  # shellcheck disable=SC2086  # the size strings are word lists on purpose
+  run_part continuous "$CONT_LIMIT" continuous $CONT_SIZE --deadline $(( $(left) - share - 15 )) ${CONT_ARGS:-}
 fi
+# shellcheck disable=SC2086
+want long_tail && run_part long_tail "$LT_LIMIT" long_tail $LT_SIZE ${CONT_LT_ARGS:-}
 stop_server
 grep -v "Decode batch\|Prefill batch" "$SERVER_LOG" 2>/dev/null | tail -c 200000 > "$OUTDIR/sglang_server_log.txt"
 if [ "$DRYRUN" != 1 ] && [ ! -f "$REPO/.gpu-out/jitcache.tgz" ] && [ -d /tmp/jitcache ]; then

@@ -6,7 +6,7 @@ For a trainer that does not need the GPU back (disaggregated, or a small trainer
     async with rollout_stream(runtime, feeder, StreamConfig(batch_groups=8, active=256, max_staleness=1)) as s:
         async for batch in s:                      # StreamBatch: complete, filtered groups + tensors
             weights = train_on(batch)
-            await s.update_weights(weights)        # in flight: pause → load → continue
+            await s.update_weights(weights)        # in flight: end what runs → load → go on
 
 and from synchronous code `SyncRolloutStream(runtime, feeder, config)` (the runtime's blocking portal;
 same coroutines). What happens:
@@ -28,18 +28,17 @@ same coroutines). What happens:
   are batched `batch_groups` at a time. When the trainer takes a batch, a group whose oldest first
   token is more than η versions behind the served version is dropped or restarted
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
-- **Weights in flight** (`update_weights`): generation is paused with SGLang's `abort` mode, the
-  weights are loaded through the lifecycle (the same payloads as a staged wake-up's load), and
-  generation continues. Requests running at the pause return with the tokens sampled so far
-  (recorded as a turn of the old version); their trajectories are resumed at once as partial
-  rollouts, so the rest of the turn is a new request sampled by the new weights: every token's
-  recorded version is the version that sampled it. A request arriving while paused is held by the
-  engine and runs under the new weights. Why not `in_place` or `retract`: SGLang reports one
+- **Weights in flight** (`update_weights`, `update_in_flight`): the gates close (generates wait
+  there), every request in flight is aborted and returns with the tokens sampled so far (recorded as
+  a turn of the old version), the weights are loaded through the lifecycle (the same payloads as a
+  staged wake-up's load, the prefix cache flushed) with nothing running, and the gates reopen on the
+  new version. The interrupted trajectories are resumed at once as partial rollouts, so the rest of
+  each turn is a new request sampled by the new weights: every token's recorded version is the
+  version that sampled it, and no KV of the old weights is reused. Why not SGLang's `in_place` or
+  `retract` pause (the lifecycle's `update_weights_in_flight` uses `retract`): SGLang reports one
   `weight_version` per response, so a request that spans the update would label the tokens sampled
-  before it with the new version (and `in_place` would also continue on the old weights' KV). The
-  cost of `abort` is one re-prefill per interrupted request (the load flushes the prefix cache, so
-  its KV is recomputed under the new weights, which is `retract`'s KV semantics). See
-  docs/trainers.md.
+  before it with the new version (and `in_place` continues on the old weights' KV). The cost is one
+  re-prefill per interrupted request. See docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -57,9 +56,9 @@ from ..batch import collate
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
+from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
-from ..scheduler.staleness import VersionLog, token_staleness
 from .stream_types import StreamBatch, StreamConfig
 
 log = logging.getLogger(__name__)
@@ -71,25 +70,36 @@ __all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", 
 MAX_RESUMES = 100
 
 
-async def update_in_flight(lc: Lifecycle, weights: Weights) -> str | None:
-    """Load `weights` into AWAKE engines without a sleep: pause generation (`abort` mode: running
-    requests return with what they sampled), load through the lifecycle, continue. Returns the version
-    served. Continue is sent even when the load fails (a paused engine would hold every request)."""
+async def update_in_flight(lc: Lifecycle, weights: Weights, *, drain_timeout: float = 60.0) -> str | None:
+    """Load `weights` into AWAKE engines without a sleep; returns the version served.
+
+    Close the gates (generates wait there) → abort every request in flight (each returns with the
+    tokens it sampled, a turn of the old version) and wait until the gates count none → load through
+    the lifecycle (`wake_up` while AWAKE: the staged path's load stage, same payloads, the prefix cache
+    flushed) → the lifecycle opens the gates on the new version. Nothing runs during the load, so no
+    request spans two weight sets. SGLang's own `/pause_generation` in `abort` mode does the same
+    engine-side but polls its lock once a second while requests remain (sglang 0.5.17's tokenizer
+    manager), which would cost a second per update; the gates count our requests and say when the
+    last one returned. If the load fails, the gates reopen on the old version and the error is raised.
+    """
     if lc.state is not EngineState.AWAKE:
         raise RuntimeError(f"update_in_flight needs AWAKE engines; the lifecycle is {lc.state.value}")
-    clients = lc.gate.clients
-    async with anyio.create_task_group() as tg:
-        for c in clients:
-            tg.start_soon(c.pause_generation, "abort")
+    # The lifecycle's fleet moves every gate it owns; `wake_up` reopens them (as its in-flight update does).
+    await lc.fleet.close_gates()
     try:
-        # While AWAKE, `wake_up` with new weights loads them in place (the staged path's load stage,
-        # same payloads and marks) and opens the gates with the new version.
+        with anyio.fail_after(drain_timeout):
+            while lc.in_flight() > 0:
+                # again while any remain: a request sent just before the close may reach its server after an abort
+                await lc.abort(abort_all=True)
+                with anyio.move_on_after(0.2):
+                    for url in lc.urls:
+                        await lc.gate.wait_settled(url, 0.2)
         return await lc.wake_up(weights)
-    finally:
+    except BaseException:
         with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
-                for c in clients:
-                    tg.start_soon(c.continue_generation)
+            if lc.state is EngineState.AWAKE:
+                await lc.fleet.open_gates(lc.weight_version)
+        raise
 
 
 class _Group:
