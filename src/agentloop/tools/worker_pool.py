@@ -134,7 +134,10 @@ class _Worker:
 
     def hello(self) -> None:
         """Send the tools to build; wait (in a thread) for the worker to say it is ready."""
-        reply = self.request({"sys_path": list(sys.path), "specs": self.specs}, START_TIMEOUT, 1 << 16)
+        try:
+            reply = self.request({"sys_path": list(sys.path), "specs": self.specs}, START_TIMEOUT, 1 << 16)
+        except WorkerFailure as e:  # not the call's timeout: the worker never got to the call
+            raise WorkerFailure(f"the tool worker did not start: {'no answer in %g s' % START_TIMEOUT if e.kind == 'timeout' else e}") from None
         if not reply.get("ready"):
             raise WorkerFailure(f"Error: the tool worker could not build its tools: {reply.get('message')}")
 
