@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from .input_budget import bytes_budget
 from .types import Sample
 
 OnBadRow = Literal["skip", "stop"]
@@ -292,19 +293,10 @@ def iter_rows(path: str | Path, max_row_bytes: int | None = None) -> Iterator[tu
     raise DatasetError(f"{p}: unknown dataset format {suffix!r}; use .jsonl or .parquet")
 
 
-#: Bytes of a row's raw JSON that one token of the context can account for, at most: a token is at most a
-#: few dozen characters in the tokenizers we know of, and JSON escaping (`\\u4e2d`) takes up to 6 bytes per
-#: character. Generous on purpose: it only has to stop rows that cannot possibly fit before they cost
-#: seconds of parsing and rendering (a 30 MB row took 124 s and 7.4 GB); what passes is still measured
-#: in tokens when rendered.
-BYTES_PER_TOKEN = 256
-#: Room for what a row carries besides its prompt (tool schemas, ground truth, extra fields).
-ROW_OVERHEAD_BYTES = 1 << 20
-
-
 def row_budget(max_context_tokens: int) -> int:
-    """The largest row (bytes) that may hold a prompt of at most `max_context_tokens` tokens."""
-    return max_context_tokens * BYTES_PER_TOKEN + ROW_OVERHEAD_BYTES
+    """The largest row (bytes) that may hold a prompt of at most `max_context_tokens` tokens (a 30 MB row
+    otherwise took 124 s and 7.4 GB to parse and render); see `input_budget`."""
+    return bytes_budget(max_context_tokens)
 
 
 def load_dataset(

@@ -16,8 +16,6 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from ..config.yaml_strict import mark_where
-from ..config.yaml_strict import safe_load as strict_yaml_load
 from .base import Tool, ToolLike, first_line, function_of
 
 __all__ = ["ISOLATIONS", "ToolConfigError", "build_entry", "config_entries", "entry_line", "isolation_of",
@@ -56,6 +54,10 @@ def load_tool_class(path: str) -> type[ToolLike]:
 def read_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
     """The parsed tool config file and its node tree (for `entry_line`). Unreadable files and YAML
     problems (a duplicated key included) are `ToolConfigError`s naming the file and the line."""
+    # Imported here: `agentloop.config` imports the agents, which import the tools (a cycle at import time).
+    from ..config.yaml_strict import mark_where
+    from ..config.yaml_strict import safe_load as strict_yaml_load
+
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
