@@ -134,3 +134,36 @@ async def test_a_body_over_the_cap_is_a_413_labelled_as_such(monkeypatch: pytest
         assert status == 413 and body["error"]["code"] == "request_too_large", body
     finally:
         await server.close()
+
+
+async def test_the_hang_watchdog_does_not_blame_servers_for_a_blocked_event_loop() -> None:
+    """The 30 MB row of the issue blocked the runtime's loop for minutes and the watchdog took the
+    healthy server out. A round that overslept (the loop was blocked) must take nothing out; the
+    next normal round judges the servers again."""
+    from types import SimpleNamespace
+
+    from agentloop.scheduler.watch import WatchMixin
+
+    checks: list[float] = []
+
+    class Router:
+        async def take_out_stalled(self, after: float) -> list[str]:
+            checks.append(time.monotonic())
+            return []
+
+    watch = WatchMixin()
+    watch.s = SimpleNamespace(router=Router())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch._watch_servers, 1.0)  # a round every 0.25 s
+        await anyio.sleep(0.6)
+        before = len(checks)
+        assert before >= 1
+        blocked_at = time.monotonic()
+        time.sleep(1.5)  # a client-side stall: the loop does nothing for 1.5 s
+        unblocked = time.monotonic()
+        await anyio.sleep(0.1)
+        assert not [t for t in checks if t >= unblocked and t < unblocked + 0.05], "judged right after the stall"
+        await anyio.sleep(0.6)
+        assert len(checks) > before  # judged again once the loop runs normally
+        tg.cancel_scope.cancel()
+    assert blocked_at

@@ -38,9 +38,16 @@ class WatchMixin:
 
     async def _watch_servers(self, hung_timeout: float) -> None:
         """The step watchdog (one task per run): takes out servers that stopped answering (see `Router.take_out_stalled`),
-        checked a few times per `hung_timeout` so a hung server is found at most a quarter of it late."""
+        checked a few times per `hung_timeout` so a hung server is found at most a quarter of it late. A round
+        that overslept (this loop was blocked) takes nothing out: a client-side stall is not a hung server."""
+        period = min(5.0, hung_timeout / 4)
         while True:
-            await anyio.sleep(min(5.0, hung_timeout / 4))
+            t0 = anyio.current_time()
+            await anyio.sleep(period)
+            if anyio.current_time() - t0 - period > max(1.0, period):
+                # This event loop was blocked (a client-side stall): the servers' answers waited unread,
+                # so their silence is ours. Judge them next round, once the loop has read what came.
+                continue
             await self.s.router.take_out_stalled(hung_timeout)
 
     async def _watch_deadlines(self) -> None:
