@@ -107,3 +107,23 @@ class RouletteTool(Tool):
 
             return format_number(evaluate(str(arguments.get("expression", ""))))
         return await self.tools[attack].execute(arguments, context)
+
+
+class ChaosWorkerCalculator(Tool):
+    """The soak's calculator for the calls drawn for a process fault (`arguments["_chaos"]`, set by the
+    soak, which counts the faults): makes that attack in its worker process, else calculates."""
+
+    name, description, parameters = "calculator_in_worker", "The calculator, in a tool worker.", _TEXT
+    ATTACKS = {"process_exit": ExitTool, "gil_hog": GilHogTool, "spin_thread": SpinThreadTool, "fork_child": ForkTool}
+
+    def __init__(self, gil_n: int = 2_000_000_000) -> None:
+        self.gil_n = gil_n
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        kind = arguments.pop("_chaos", None)
+        if kind in self.ATTACKS:
+            tool = GilHogTool(self.gil_n) if kind == "gil_hog" else self.ATTACKS[kind]()
+            return await tool.execute(arguments, context)
+        from agentloop.tools.builtin.calculator import evaluate, format_number
+
+        return format_number(evaluate(str(arguments.get("expression", ""))))

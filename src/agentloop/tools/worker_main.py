@@ -171,8 +171,10 @@ class _Worker:
                 return  # the parent kills the group; nothing more runs here
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, pdeathsig: bool) -> None:
     """Exit when the parent process goes away (it could not kill this worker then)."""
+    if not pdeathsig:
+        return
     try:
         import ctypes
         import signal
@@ -184,9 +186,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def main(fd: int, parent: int) -> None:
+def main(fd: int, parent: int, pdeathsig: bool = True) -> None:
     """Entry point (see the module docstring); `fd` is this side of the socket pair."""
-    _die_with_parent(parent)
+    _die_with_parent(parent, pdeathsig)
     # A tool's prints must not mix into the runtime's stdout (it may be a JSON stream): they go to stderr.
     os.dup2(2, 1)
     sys.stdout = sys.stderr

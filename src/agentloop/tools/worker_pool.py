@@ -116,8 +116,11 @@ class _Worker:
         self.conn = Connection(os.dup(ours.fileno()))
         ours.close()
         child_fd = theirs.fileno()
-        boot = ("import sys; sys.path[:0] = %r; from agentloop.tools.worker_main import main; main(%d, %d)"
-                % (list(sys.path), child_fd, os.getpid()))
+        # PR_SET_PDEATHSIG fires when the forking *thread* ends: only a worker started from the main
+        # thread may use it (one started from a tool's call thread relies on EOF and the atexit kill).
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        boot = ("import sys; sys.path[:0] = %r; from agentloop.tools.worker_main import main; main(%d, %d, %r)"
+                % (list(sys.path), child_fd, os.getpid(), pdeathsig))
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", boot], pass_fds=(child_fd,), stdin=subprocess.DEVNULL,
@@ -242,7 +245,6 @@ class WorkerPool:
         self.max_idle = max_idle
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
-        self._limiter: anyio.CapacityLimiter | None = None
         self.started = 0
         self.killed = 0
         self.started_pids: list[int] = []
@@ -255,11 +257,10 @@ class WorkerPool:
 
     # ---- workers --------------------------------------------------------------------------------
     def _threads(self) -> anyio.CapacityLimiter:
-        # Our own limiter: a thread waits on each running call, and the default limiter (40) is shared
-        # with the rest of the runtime, which must not queue behind slow tools.
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(1024)
-        return self._limiter
+        # A limiter of its own per request: a thread waits on each running call, and the default limiter
+        # (40) is shared with the rest of the runtime, which must not queue behind slow tools. (Not kept:
+        # a limiter belongs to the event loop it was made in, and a registry may serve several.)
+        return anyio.CapacityLimiter(1)
 
     async def _acquire(self) -> _Worker:
         with self._lock:
@@ -268,7 +269,7 @@ class WorkerPool:
                 if w.alive():
                     return w
                 w.kill()
-        w = _Worker(self.specs)  # started on the event loop's thread: PR_SET_PDEATHSIG follows the forking thread
+        w = _Worker(self.specs)
         self.started += 1
         self.started_pids.append(w.pid)
         try:
