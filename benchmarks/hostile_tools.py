@@ -127,3 +127,9 @@ class ChaosWorkerCalculator(Tool):
         from agentloop.tools.builtin.calculator import evaluate, format_number
 
         return format_number(evaluate(str(arguments.get("expression", ""))))
+
+
+class IsolatedEcho(EchoTool):
+    """`echo` that asks for a worker process itself (a tool object passed in code is inline by default)."""
+
+    isolation = "process"

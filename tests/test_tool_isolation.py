@@ -180,3 +180,27 @@ def test_cli_rollout_with_hostile_tools_finishes_writes_everything_and_exits(tmp
         calls = row["metrics"]["tool_calls"]
         assert row["metrics"]["tool_seconds"] <= calls * (3 + 15), (row["uid"], attacks[row["uid"]], row["metrics"])
     assert took < 500
+
+
+async def test_a_pickled_registry_starts_its_own_workers_and_objects_can_ask_for_a_process(tmp_path):
+    import hostile_tools
+
+    cloudpickle = pytest.importorskip("cloudpickle")  # what Ray sends a registry with
+
+    class Isolated(hostile_tools.EchoTool):
+        isolation = "process"
+
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]: tool 'echo' has isolation 'process' but cannot be sent"):
+        ToolRegistry([Isolated()])  # a local class cannot be rebuilt in a worker: said at registration
+    reg = ToolRegistry([hostile_tools.IsolatedEcho()])
+    assert reg.isolation("echo") == "process"
+    try:
+        r = await reg.execute_calls([ToolCall("echo", {"text": "obj"}, "")], context=ctx(), timeout=30, max_parallel=1)
+        assert r[0].ok and int(r[0].content.split("pid=")[1]) != os.getpid()
+        copy = cloudpickle.loads(cloudpickle.dumps(reg))  # what a Ray worker gets: the tools, no processes
+        assert copy._pool is None
+        r2 = await copy.execute_calls([ToolCall("echo", {"text": "copy"}, "")], context=ctx(), timeout=30, max_parallel=1)
+        assert r2[0].ok and r2[0].content.split("pid=")[1] != r[0].content.split("pid=")[1]
+        copy.close()
+    finally:
+        reg.close()

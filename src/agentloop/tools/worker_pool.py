@@ -142,7 +142,7 @@ class _Worker:
         except WorkerFailure as e:  # not the call's timeout: the worker never got to the call
             raise WorkerFailure(f"the tool worker did not start: {'no answer in %g s' % START_TIMEOUT if e.kind == 'timeout' else e}") from None
         if not reply.get("ready"):
-            raise WorkerFailure(f"Error: the tool worker could not build its tools: {reply.get('message')}")
+            raise WorkerFailure(f"the tool worker could not build its tools: {reply.get('message')}")
 
     def receive(self, timeout: float, max_bytes: int) -> dict[str, Any]:
         """One JSON reply (blocking; call it off the event loop). Raises WorkerFailure."""
