@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from agentloop.tools import Tool, ToolContext
+from agentloop.tools.builtin.calculator import evaluate, format_number  # imported with the tool, not in its first call
 
 _TEXT = {"type": "object", "properties": {"text": {"type": "string"}}}
 
@@ -103,8 +104,6 @@ class RouletteTool(Tool):
     async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
         attack = self.attack_for(context.trajectory_id)
         if attack == "calculate":
-            from agentloop.tools.builtin.calculator import evaluate, format_number
-
             return format_number(evaluate(str(arguments.get("expression", ""))))
         return await self.tools[attack].execute(arguments, context)
 
@@ -124,8 +123,6 @@ class ChaosWorkerCalculator(Tool):
         if kind in self.ATTACKS:
             tool = GilHogTool(self.gil_n) if kind == "gil_hog" else self.ATTACKS[kind]()
             return await tool.execute(arguments, context)
-        from agentloop.tools.builtin.calculator import evaluate, format_number
-
         return format_number(evaluate(str(arguments.get("expression", ""))))
 
 
@@ -133,3 +130,16 @@ class IsolatedEcho(EchoTool):
     """`echo` that asks for a worker process itself (a tool object passed in code is inline by default)."""
 
     isolation = "process"
+
+
+class DaemonHelperTool(Tool):
+    """Well-behaved: starts (once) a daemon background thread, as client libraries do; not a leftover."""
+
+    name, description, parameters = "daemon_helper", "Keeps a daemon helper thread.", _TEXT
+    _started = False
+
+    async def execute(self, arguments: dict[str, Any], context: ToolContext) -> str:
+        if not DaemonHelperTool._started:
+            DaemonHelperTool._started = True
+            threading.Thread(target=time.sleep, args=(3600,), name="helper", daemon=True).start()
+        return f"ok pid={os.getpid()}"

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
+import functools
 import logging
 import os
 import random
@@ -190,6 +190,13 @@ def soak_tools(chooser: Chooser, gil_n: int) -> Any:
     return reg
 
 
+@functools.lru_cache(maxsize=1)
+def _huge_body(size: int) -> bytes:
+    """One valid chat request of about `size` bytes, built once for the run (the soak measures the
+    endpoint, not its own allocations)."""
+    return b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * size + b'"}]}'
+
+
 async def huge_endpoint_request(server: Any, tokenizer: Any, size: int) -> dict[str, Any]:
     """A `size`-byte valid chat request to a trajectory's OpenAI endpoint served on this event loop."""
     import aiohttp
@@ -203,7 +210,7 @@ async def huge_endpoint_request(server: Any, tokenizer: Any, size: int) -> dict[
 
     ctx = AgentContext(generate=never, tokenizer=tokenizer, config=AgentConfig(max_context_tokens=2048))
     rec = TrajectoryRecorder(Sample(uid="huge", messages=[{"role": "user", "content": "hi"}]), ctx)
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * size}]}).encode()
+    body = _huge_body(size)
     with server.open(rec) as route:
         t0 = time.monotonic()
         async with aiohttp.ClientSession() as session:
@@ -313,17 +320,18 @@ def _rss_mb() -> float:
 
 
 def tool_workers() -> int:
-    """Live tool worker processes (and anything forked from one: same command line)."""
+    """Live tool worker processes of this run (and anything forked from one: same command line)."""
+    from agentloop.tools.worker_pool import _descendants
+
     n = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if b"agentloop.tools.worker_main" in cmd and state not in ("Z", "X"):
-                n += 1
+    for pid in _descendants(os.getpid()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"agentloop.tools.worker_main" in cmd and state not in ("Z", "X"):
+            n += 1
     return n
 
 

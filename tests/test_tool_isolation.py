@@ -34,6 +34,7 @@ def registry(tmp_path: Path, extra: str = "") -> ToolRegistry:
           - class_name: hostile_tools.ForkTool
           - class_name: hostile_tools.EchoTool
           - class_name: hostile_tools.CountingTool
+          - class_name: hostile_tools.DaemonHelperTool
           - class_name: agentloop.tools.builtin.calculator.CalculatorTool
     """) + extra)
     return ToolRegistry.from_yaml(p)
@@ -114,6 +115,9 @@ async def test_workers_are_reused_and_state_is_pinned_per_trajectory(tmp_path):
             r = await reg.execute_calls([ToolCall("echo", {"text": "x"}, "")], context=ctx(), timeout=30, max_parallel=1)
             pids.add(r[0].content.split("pid=")[1])
         assert len(pids) == 1  # one worker served the three calls
+        for _ in range(2):  # a daemon helper thread (client libraries have them) is not a leftover
+            r = await reg.execute_calls([ToolCall("daemon_helper", {}, "")], context=ctx(), timeout=30, max_parallel=1)
+            assert r[0].ok and r[0].content.split("pid=")[1] in pids, r[0]
         a, b = ctx("a"), ctx("b")
         async with reg.trajectory(a), reg.trajectory(b):
             out = []

@@ -58,8 +58,11 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
-def leftovers() -> str | None:
-    """What a finished request left running in this process, in words, or None."""
+def leftovers(before: set[int] | None = None) -> str | None:
+    """What a finished request left running in this process, in words, or None: a non-daemon thread
+    started during it (`before`: the threads alive when it began; the one thing that keeps a process
+    from exiting, and the issue's spinning-thread attack — idle `ThreadPoolExecutor` workers and daemon
+    threads, which libraries use for background work, are left alone), or a child process."""
     while True:  # reap children that already ended (zombies are not leftovers)
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -67,7 +70,9 @@ def leftovers() -> str | None:
             break
         if pid == 0:
             break
-    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    threads = [t.name for t in threading.enumerate()
+               if t is not threading.main_thread() and t.is_alive() and not t.daemon
+               and (before is None or t.ident not in before) and not t.name.startswith("ThreadPoolExecutor")]
     if threads:
         return f"left {len(threads)} thread(s) running after its call ({', '.join(threads[:3])})"
     children = _children_of(os.getpid())
@@ -158,6 +163,7 @@ class _Worker:
             except (EOFError, OSError):
                 return
             t0 = time.monotonic()
+            before = {t.ident for t in threading.enumerate() if t.ident is not None}
             if request[0] == "call":
                 answer = self.call(*request[1:])
             elif request[0] in ("open", "close"):
@@ -165,7 +171,7 @@ class _Worker:
             else:
                 answer = {"ok": False, "kind": "exception", "message": f"Error: unknown request {request[0]!r}"}
             answer["seconds"] = time.monotonic() - t0
-            answer["leftover"] = leftovers()
+            answer["leftover"] = leftovers(before)
             self.reply(**answer)
             if answer["leftover"]:
                 return  # the parent kills the group; nothing more runs here
