@@ -69,6 +69,8 @@ DEFINITIONS = {
     "endpoint_refusals": "per step: status, error code and seconds of the 60 MiB endpoint request (400 "
                          "context_length_exceeded in well under a second)",
     "growth": "last tenth of the run minus first tenth (means of the step-boundary samples)",
+    "rss_trimmed_mb": "RSS at a step's end after malloc_trim(0): memory still in use, without the free heap pages "
+                      "glibc keeps",
     "growth_second_half": "last tenth minus the tenth that ends the first half (after warm-up)",
 }
 
@@ -335,6 +337,18 @@ def tool_workers() -> int:
     return n
 
 
+def trimmed_rss_mb() -> float:
+    """RSS once glibc has given its free heap pages back (malloc_trim): what is still in use, so that
+    growth of this curve is memory held, and growth of `rss_mb` alone is the allocator keeping pages."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return round(_rss_mb(), 1)
+
+
 def resources(t0: float) -> dict[str, Any]:
     from agentloop.tools.call_thread import abandoned_calls
 
@@ -416,8 +430,10 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
             "samples_launched": sum(s["launched"] for s in steps),
             "accounted": {k: sum(s["accounted"].get(k, 0) for s in steps) for k in (*ACCOUNTED, "carried_over")},
             "lost": lost,
-            "growth": {k: growth(k) for k in ("rss_mb", "fds", "tasks", "threads", "abandoned_tool_calls", "tool_workers")},
-            "growth_second_half": {k: half_growth(k) for k in ("rss_mb", "fds", "tasks", "threads", "tool_workers")},
+            "growth": {k: growth(k) for k in ("rss_mb", "rss_trimmed_mb", "fds", "tasks", "threads", "abandoned_tool_calls",
+                                              "tool_workers")},
+            "growth_second_half": {k: half_growth(k) for k in ("rss_mb", "rss_trimmed_mb", "fds", "tasks", "threads",
+                                                               "tool_workers")},
             "max": {k: max((r[k] for r in samples), default=None) for k in ("rss_mb", "fds", "tasks", "threads",
                                                                             "abandoned_tool_calls", "tool_workers")},
             "endpoint_refusals": [s["endpoint"] for s in steps if s.get("endpoint")],
@@ -521,7 +537,7 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                         # Servers in rotation as the step ends (a killed one is taken out, a restarted one re-admitted).
                         "servers_in_rotation": len(rt.lifecycle.urls),
                         "endpoint": endpoint_result or None,
-                        "resources": resources(t0),
+                        "resources": {**resources(t0), "rss_trimmed_mb": trimmed_rss_mb()},
                     })
                     print(f"step {step}/{args.steps}: {launched} launched, {dict(accounted)}, lost {lost}, "
                           f"faults {injected}, {steps[-1]['seconds']:.1f}s, rss {steps[-1]['resources']['rss_mb']} MB, "
