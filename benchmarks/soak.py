@@ -5,7 +5,11 @@ Two `agentloop serve` processes run the shipped tiny tool model (which really ca
 the runtime reaches the first through a loopback TCP proxy. Faults, drawn from one seed:
 - tools (per call): hang, raise (ValueError, SystemExit, KeyboardInterrupt, CancelledError), flood
   (10 MB), stream without end, ignore cancellation, block the thread (`time.sleep`), a result whose
-  `__str__` fails — the hostile tool stands in for the calculator;
+  `__str__` fails — the hostile tool stands in for the calculator, in the runtime's process (inline);
+  and, in a tool worker process (issue 29), `os._exit`, a GIL hog (one 2e9-step C call), a leftover
+  spinning non-daemon thread, a forked child that outlives the call (`hostile_tools.py`);
+- the OpenAI endpoint (per step): a 60 MiB valid chat request to a trajectory's endpoint served on the
+  runtime's event loop, during the step (must be refused at once, the step going on);
 - bad rows (per step): an empty conversation, a message without content, an unknown role, an unknown
   agent loop, a prompt longer than the context;
 - network (per step): the proxy delays every chunk (a slow network) or resets connections;
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -43,8 +48,11 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, run_benchmark  # noqa: E402
 
-TOOL_FAULTS = ("hang", "raise_value_error", "raise_system_exit", "raise_keyboard_interrupt", "raise_cancelled",
-               "flood_10mb", "endless_stream", "ignore_cancellation", "block_thread", "bad_str")
+INLINE_FAULTS = ("hang", "raise_value_error", "raise_system_exit", "raise_keyboard_interrupt", "raise_cancelled",
+                 "flood_10mb", "endless_stream", "ignore_cancellation", "block_thread", "bad_str")
+PROCESS_FAULTS = ("process_exit", "gil_hog", "spin_thread", "fork_child")
+TOOL_FAULTS = INLINE_FAULTS + PROCESS_FAULTS
+ENDPOINT_FAULTS = ("huge_endpoint_request",)
 ROW_FAULTS = ("empty_messages", "no_content", "unknown_role", "unknown_agent", "too_long")
 NET_FAULTS = ("slow_network", "connection_reset")
 SERVER_FAULTS = ("kill_restart", "pause")
@@ -57,8 +65,12 @@ DEFINITIONS = {
             "failed trajectories without an error message",
     "accounted": "returned trajectories by status (failed ones all carry their reason) and samples carried over",
     "resources": "sampled every --sample-every seconds: RSS (MB), open fds, live asyncio tasks, threads, "
-                 "tool calls abandoned whose thread still runs",
+                 "tool calls abandoned whose thread still runs, tool worker processes alive (forked leftovers included)",
+    "endpoint_refusals": "per step: status, error code and seconds of the 60 MiB endpoint request (400 "
+                         "context_length_exceeded in well under a second)",
     "growth": "last tenth of the run minus first tenth (means of the step-boundary samples)",
+    "rss_trimmed_mb": "RSS at a step's end after malloc_trim(0): memory still in use, without the free heap pages "
+                      "glibc keeps",
     "growth_second_half": "last tenth minus the tenth that ends the first half (after warm-up)",
 }
 
@@ -77,6 +89,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--row-fault-rate", type=float, default=0.5, help="probability a step carries bad rows")
     p.add_argument("--net-fault-rate", type=float, default=0.3, help="probability of a network fault in a step")
     p.add_argument("--server-fault-rate", type=float, default=0.15, help="probability of a server fault in a step")
+    p.add_argument("--endpoint-fault-rate", type=float, default=0.3,
+                   help="probability of a 60 MiB request to an OpenAI endpoint in a step")
     p.add_argument("--server-faults", action=argparse.BooleanOptionalAction, default=True,
                    help="kill/restart and pause the second server mid-step")
     p.add_argument("--tool-timeout", type=float, default=1.0)
@@ -86,7 +100,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.prompts, args.n = 2, 3, 1
-        args.server_faults, args.net_fault_rate, args.row_fault_rate = False, 1.0, 1.0
+        args.server_faults, args.net_fault_rate, args.row_fault_rate, args.endpoint_fault_rate = False, 1.0, 1.0, 1.0
     return args
 
 
@@ -108,25 +122,106 @@ class _BadStr:
         raise ValueError("this result has no text")
 
 
-def chaos_calculator(faults: FaultLog, rate: float, seed: int, smoke: bool) -> Any:
-    """The calculator, misbehaving on a share of its calls (each kind in turn first when `smoke`)."""
+class Chooser:
+    """Draws each tool call's fault (None: it behaves) and counts it; with `smoke`, each kind in turn
+    first (the process faults early: they are the costly ones to miss)."""
+
+    def __init__(self, faults: FaultLog, rate: float, seed: int, smoke: bool) -> None:
+        self.faults, self.rate, self.smoke = faults, rate, smoke
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.order = ["hang", "raise_value_error", *PROCESS_FAULTS,
+                      *[k for k in INLINE_FAULTS if k not in ("hang", "raise_value_error")]]
+
+    def draw(self) -> str | None:
+        with self.lock:
+            if self.smoke and self.order:
+                kind: str | None = self.order.pop(0)
+            else:
+                kind = self.rng.choice(TOOL_FAULTS) if self.rng.random() < self.rate else None
+        if kind is not None:
+            self.faults.add(kind)
+        return kind
+
+
+def chaos_calculator() -> Any:
+    """The calculator, misbehaving in the runtime's process when its call carries an inline fault."""
     from agentloop.tools import ToolContext
     from agentloop.tools.builtin import CalculatorTool
 
-    rng = random.Random(seed)
-    lock = threading.Lock()
-    order = list(TOOL_FAULTS)
-
     class ChaosCalculator(CalculatorTool):
         def execute(self, arguments: dict[str, Any], context: ToolContext) -> Any:  # type: ignore[override]
-            with lock:
-                kind = order.pop(0) if smoke and order else (rng.choice(TOOL_FAULTS) if rng.random() < rate else None)
+            kind = arguments.pop("_chaos", None)
             if kind is None:
                 return CalculatorTool.execute(self, arguments, context)  # awaited in the call's own loop
-            faults.add(kind)
             return _misbehave(kind)
 
     return ChaosCalculator()
+
+
+def soak_tools(chooser: Chooser, gil_n: int) -> Any:
+    """The soak's registry: the model sees one `calculator`; each call is given its fault here (in the
+    runtime, where faults are counted) and a call drawn for a process fault goes to the calculator's
+    twin in a tool worker process (`hostile_tools.ChaosWorkerCalculator`, loaded by module path like
+    any YAML tool), the others to the inline chaos calculator."""
+    from agentloop.tools import ToolCall, ToolRegistry
+
+    class SoakTools(ToolRegistry):
+        def schemas(self, names: Any = None) -> list[dict[str, Any]]:
+            return super().schemas(["calculator"] if names is None else names)
+
+        async def execute_calls(self, calls: Any, **kw: Any) -> Any:
+            routed = []
+            for c in calls:
+                kind = chooser.draw() if c.error is None and c.name == "calculator" else None
+                if kind is not None:
+                    name = "calculator_in_worker" if kind in PROCESS_FAULTS else c.name
+                    c = ToolCall(name, {**(c.arguments or {}), "_chaos": kind}, c.raw, c.error, c.id)
+                routed.append(c)
+            results = await super().execute_calls(routed, **kw)
+            for r in results:
+                r.name = "calculator" if r.name == "calculator_in_worker" else r.name
+            return results
+
+    reg = SoakTools([chaos_calculator()])
+    twin = {"class_name": "hostile_tools.ChaosWorkerCalculator", "config": {"gil_n": gil_n}}
+    from agentloop.tools.tool_config import build_entry
+
+    tool, function = build_entry(twin, "soak twin")
+    reg.add(tool, where="soak twin", function=function, entry=twin)
+    return reg
+
+
+@functools.lru_cache(maxsize=1)
+def _huge_body(size: int) -> bytes:
+    """One valid chat request of about `size` bytes, built once for the run (the soak measures the
+    endpoint, not its own allocations)."""
+    return b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * size + b'"}]}'
+
+
+async def huge_endpoint_request(server: Any, tokenizer: Any, size: int) -> dict[str, Any]:
+    """A `size`-byte valid chat request to a trajectory's OpenAI endpoint served on this event loop."""
+    import aiohttp
+
+    from agentloop.agents.base import AgentConfig, AgentContext
+    from agentloop.endpoint import TrajectoryRecorder
+    from agentloop.types import Sample
+
+    async def never(input_ids: Any, params: Any) -> Any:
+        raise AssertionError("a request that cannot fit must never reach the engine")
+
+    ctx = AgentContext(generate=never, tokenizer=tokenizer, config=AgentConfig(max_context_tokens=2048))
+    rec = TrajectoryRecorder(Sample(uid="huge", messages=[{"role": "user", "content": "hi"}]), ctx)
+    body = _huge_body(size)
+    with server.open(rec) as route:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{route.base_url}/chat/completions", data=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+                answer = await r.json(content_type=None)
+                status = r.status
+    return {"status": status, "code": (answer.get("error") or {}).get("code"), "seconds": round(time.monotonic() - t0, 3),
+            "rendered": bool(rec.segments)}
 
 
 def _misbehave(kind: str) -> Any:
@@ -226,11 +321,40 @@ def _rss_mb() -> float:
     return float("nan")
 
 
+def tool_workers() -> int:
+    """Live tool worker processes of this run (and anything forked from one: same command line)."""
+    from agentloop.tools.worker_pool import _descendants
+
+    n = 0
+    for pid in _descendants(os.getpid()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"agentloop.tools.worker_main" in cmd and state not in ("Z", "X"):
+            n += 1
+    return n
+
+
+def trimmed_rss_mb() -> float:
+    """RSS once glibc has given its free heap pages back (malloc_trim): what is still in use, so that
+    growth of this curve is memory held, and growth of `rss_mb` alone is the allocator keeping pages."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return round(_rss_mb(), 1)
+
+
 def resources(t0: float) -> dict[str, Any]:
     from agentloop.tools.call_thread import abandoned_calls
 
     return {"t": round(time.monotonic() - t0, 3), "rss_mb": round(_rss_mb(), 1), "fds": len(os.listdir("/proc/self/fd")),
-            "tasks": len(asyncio.all_tasks()), "threads": threading.active_count(), "abandoned_tool_calls": abandoned_calls()}
+            "tasks": len(asyncio.all_tasks()), "threads": threading.active_count(), "abandoned_tool_calls": abandoned_calls(),
+            "tool_workers": tool_workers()}
 
 
 # ------------------------------------------------------------------ the run
@@ -250,7 +374,7 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     from agentloop.models import tiny_tool_model
     from agentloop.runtime import Runtime
     from agentloop.runtime.types import StepError
-    from agentloop.tools import ToolRegistry
+    from agentloop.endpoint import EndpointServer
 
     # A hostile tool's exception is logged with its traceback by the registry: thousands here, on purpose.
     logging.getLogger("agentloop.tools.registry").setLevel(logging.ERROR)
@@ -276,7 +400,8 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "agent": {"temperature": 1.0, "tool_timeout": args.tool_timeout, "max_assistant_turns": 3,
                   "max_new_tokens_per_turn": 48, "max_response_tokens": 384, "max_context_tokens": 2048},
     }
-    tools = ToolRegistry([chaos_calculator(faults, args.tool_fault_rate, args.seed + 1, args.smoke)])
+    tools = soak_tools(Chooser(faults, args.tool_fault_rate, args.seed + 1, args.smoke), gil_n=2_000_000_000)
+    endpoint = await EndpointServer().start()
 
     def report(complete: bool = False) -> dict[str, Any]:
         lost = sum(s["lost"] for s in steps)
@@ -305,10 +430,14 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
             "samples_launched": sum(s["launched"] for s in steps),
             "accounted": {k: sum(s["accounted"].get(k, 0) for s in steps) for k in (*ACCOUNTED, "carried_over")},
             "lost": lost,
-            "growth": {k: growth(k) for k in ("rss_mb", "fds", "tasks", "threads", "abandoned_tool_calls")},
-            "growth_second_half": {k: half_growth(k) for k in ("rss_mb", "fds", "tasks", "threads")},
+            "growth": {k: growth(k) for k in ("rss_mb", "rss_trimmed_mb", "fds", "tasks", "threads", "abandoned_tool_calls",
+                                              "tool_workers")},
+            "growth_second_half": {k: half_growth(k) for k in ("rss_mb", "rss_trimmed_mb", "fds", "tasks", "threads",
+                                                               "tool_workers")},
             "max": {k: max((r[k] for r in samples), default=None) for k in ("rss_mb", "fds", "tasks", "threads",
-                                                                            "abandoned_tool_calls")},
+                                                                            "abandoned_tool_calls", "tool_workers")},
+            "endpoint_refusals": [s["endpoint"] for s in steps if s.get("endpoint")],
+            "tool_workers_at_end": tool_workers(),
             "per_step": steps,
             "resources": samples,
         })
@@ -352,6 +481,11 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                     injected += [f"row_{r.uid.split('-', 1)[1]}" for r in rows]
                     batch = carry + fresh + rows
                     launched = sum(1 if s.group_id else args.n for s in batch)
+                    huge = rng.random() < args.endpoint_fault_rate
+                    if huge:
+                        faults.add("huge_endpoint_request")
+                        injected.append("huge_endpoint_request")
+                    endpoint_result: dict[str, Any] = {}
                     server_kind = None
                     if args.server_faults and rng.random() < args.server_fault_rate:
                         server_kind = rng.choice(SERVER_FAULTS)
@@ -361,9 +495,15 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                     error = None
                     trajs: list[Any] = []
                     carried: list[Any] = []
+                    async def endpoint_fault(delay: float) -> None:
+                        await anyio.sleep(delay)  # mid-step: the step's trajectories share this event loop
+                        endpoint_result.update(await huge_endpoint_request(endpoint, rt.tokenizer, 60 << 20))
+
                     async with anyio.create_task_group() as ftg:
                         if server_kind is not None:
                             ftg.start_soon(server_fault, server_kind, rng.uniform(0.3, 1.5))
+                        if huge:
+                            ftg.start_soon(endpoint_fault, rng.uniform(0.2, 1.0))
                         try:
                             res = await rt.step(batch)
                             trajs, carried = list(res.trajectories), list(res.carry_over)
@@ -396,7 +536,8 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                         "tool_errors": int(sum(t.metrics.get("tool_errors", 0) for t in trajs)),
                         # Servers in rotation as the step ends (a killed one is taken out, a restarted one re-admitted).
                         "servers_in_rotation": len(rt.lifecycle.urls),
-                        "resources": resources(t0),
+                        "endpoint": endpoint_result or None,
+                        "resources": {**resources(t0), "rss_trimmed_mb": trimmed_rss_mb()},
                     })
                     print(f"step {step}/{args.steps}: {launched} launched, {dict(accounted)}, lost {lost}, "
                           f"faults {injected}, {steps[-1]['seconds']:.1f}s, rss {steps[-1]['resources']['rss_mb']} MB, "
@@ -406,6 +547,8 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
+            await endpoint.close()
+            tools.close()
             for p in (a, servers["b"]):
                 await p.stop()
     return report(complete=True)
@@ -426,6 +569,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[1].plot(t, [r["fds"] for r in res], label="open fds")
     axes[1].plot(t, [r["threads"] for r in res], label="threads")
     axes[1].plot(t, [r["abandoned_tool_calls"] for r in res], label="abandoned tool calls (thread alive)")
+    axes[1].plot(t, [r.get("tool_workers", 0) for r in res], label="tool worker processes")
     axes[1].step([s["resources"]["t"] for s in report["per_step"]], [s["servers_in_rotation"] for s in report["per_step"]],
                  where="post", label="servers in rotation (step end)")
     axes[1].legend(loc="upper left", fontsize=8)

@@ -1,5 +1,7 @@
 """The chaos soak (`benchmarks/soak.py`, issue 15) runs in CI in its `--smoke` configuration through
-`agentloop bench soak`: faults of every family are injected and no sample is lost."""
+`agentloop bench soak`: faults of every family are injected (issue 29's included: `os._exit`, a GIL
+hog, a spinning thread and a forking tool in tool workers; a 60 MiB endpoint request), no sample is
+lost, and the command exits."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ def test_soak_smoke_injects_faults_and_loses_nothing(tmp_path: Path) -> None:
     assert r["complete"] and r["steps_completed"] == r["steps_requested"] == 2
     kinds = set(r["faults_injected"])
     assert {"hang", "raise_value_error", "slow_network", "row_empty_messages"} <= kinds, kinds
+    # Issue 29: tools that end or freeze their process (in a tool worker) and a 60 MiB endpoint request.
+    assert {"process_exit", "gil_hog", "spin_thread", "fork_child", "huge_endpoint_request"} <= kinds, kinds
+    for refusal in r["endpoint_refusals"]:
+        assert refusal["status"] == 400 and refusal["code"] == "context_length_exceeded" and refusal["seconds"] < 1.0
+        assert not refusal["rendered"]
+    assert r["tool_workers_at_end"] == 0  # every worker (and every child a tool forked) is gone
     assert r["lost"] == 0
     launched = r["samples_launched"]
     assert launched > 0 and sum(r["accounted"].values()) == launched

@@ -16,12 +16,14 @@ and loading goes on; with `"stop"` loading raises `DatasetError` at the first on
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from .input_budget import bytes_budget
 from .types import Sample
 
 OnBadRow = Literal["skip", "stop"]
@@ -120,6 +122,23 @@ class _Row(BaseModel):
         return self
 
 
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """Where in `value` a NaN or infinite float is (`""` for the value itself, `[0].x` inside), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = ((f".{k}", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, v in items:
+        found = _non_finite(v, path + key)
+        if found is not None:
+            return found
+    return None
+
+
 def _format_validation_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
@@ -146,6 +165,10 @@ def row_to_sample(
     if known_agents is not None and r.agent is not None and r.agent not in set(known_agents):
         raise ValueError(f"agent: unknown agent loop {r.agent!r}; known: {sorted(known_agents)}")
     reward, ground_truth, reward_kwargs = r.reward_parts()
+    where = _non_finite(ground_truth)
+    if where is not None:
+        raise ValueError(f"ground_truth{where}: {where and 'a value' or 'the value'} is not a finite number "
+                         "(NaN or infinity can never be matched by a reward)")
     if known_rewards is not None and reward is not None and reward not in set(known_rewards):
         raise ValueError(f"reward: unknown reward function {reward!r}; known: {sorted(known_rewards)}")
     if r.messages is not None:
@@ -167,16 +190,49 @@ def row_to_sample(
     )
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+def _jsonl_rows(path: Path, max_row_bytes: int | None = None) -> Iterator[tuple[int, Any, str | None]]:
     try:
-        yield from _jsonl_lines(path)
+        yield from _jsonl_lines(path, max_row_bytes)
     except OSError as e:  # unreadable (permissions, an I/O error mid-file): say so, naming the file
         raise DatasetError(f"{path}: cannot read the dataset file: {e.strerror or e}") from None
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+def too_big(size: int, max_row_bytes: int) -> str:
+    """The bad-row problem of a row over the byte budget."""
+    return (f"row is {size / 1e6:.1f} MB ({size} bytes), over the {max_row_bytes}-byte budget: it cannot fit the "
+            "context (refused before parsing)")
+
+
+def _lines(f: Any, max_row_bytes: int | None) -> Iterator[tuple[bytes | None, int]]:
+    """(line, size) per line; a line over `max_row_bytes` is (None, its size), read past in 1 MiB pieces
+    without ever being held whole."""
+    if max_row_bytes is None:
+        for raw in f:
+            yield raw, len(raw)
+        return
+    while True:
+        raw = f.readline(max_row_bytes + 2)  # + room for "\r\n"
+        if not raw:
+            return
+        if len(raw.rstrip(b"\r\n")) <= max_row_bytes:  # then the line ended within what was read
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            if not raw:
+                break
+            size += len(raw)
+        yield None, size
+
+
+def _jsonl_lines(path: Path, max_row_bytes: int | None = None) -> Iterator[tuple[int, Any, str | None]]:
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, (raw, size) in enumerate(_lines(f, max_row_bytes), start=1):
+            if raw is None:
+                assert max_row_bytes is not None
+                yield lineno, None, too_big(size, max_row_bytes)
+                continue
             try:
                 # utf-8-sig on the first line: a byte-order mark some editors write is not part of the row.
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").rstrip("\r\n")
@@ -194,7 +250,18 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
                 yield lineno, None, f"invalid JSON at column {e.pos + 1} ({where}): {e.msg.removesuffix(' at')}"
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+def _value_bytes(value: Any) -> int:
+    """About how many bytes a decoded value's text takes (strings and bytes counted, containers walked)."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_value_bytes(k) + _value_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_value_bytes(v) for v in value)
+    return 8
+
+
+def _parquet_rows(path: Path, max_row_bytes: int | None = None) -> Iterator[tuple[int, Any, str | None]]:
     import pyarrow.parquet as pq
 
     try:
@@ -206,20 +273,30 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         for row in batch.to_pylist():
             lineno += 1
             # Parquet has no "absent" key: a null column value means the field was not given.
+            if max_row_bytes is not None and (size := _value_bytes(row)) > max_row_bytes:
+                yield lineno, None, too_big(size, max_row_bytes)
+                continue
             yield lineno, {k: v for k, v in row.items() if v is not None}, None
 
 
-def iter_rows(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line or row number, decoded row or None, decode problem or None) for every row of a file."""
+def iter_rows(path: str | Path, max_row_bytes: int | None = None) -> Iterator[tuple[int, Any, str | None]]:
+    """(line or row number, decoded row or None, decode problem or None) for every row of a file. A row
+    over `max_row_bytes` (None: no bound) is a problem found before it is decoded."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"{p}: no such dataset file")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        return _jsonl_rows(p)
+        return _jsonl_rows(p, max_row_bytes)
     if suffix in (".parquet", ".pq"):
-        return _parquet_rows(p)
+        return _parquet_rows(p, max_row_bytes)
     raise DatasetError(f"{p}: unknown dataset format {suffix!r}; use .jsonl or .parquet")
+
+
+def row_budget(max_context_tokens: int) -> int:
+    """The largest row (bytes) that may hold a prompt of at most `max_context_tokens` tokens (a 30 MB row
+    otherwise took 124 s and 7.4 GB to parse and render); see `input_budget`."""
+    return bytes_budget(max_context_tokens)
 
 
 def load_dataset(
@@ -229,8 +306,12 @@ def load_dataset(
     limit: int | None = None,
     known_agents: Iterable[str] | None = None,
     known_rewards: Iterable[str] | None = None,
+    max_row_bytes: int | None = None,
 ) -> Dataset:
     """Read every row of `path` (stopping after `limit` good rows, if given).
+
+    `max_row_bytes`: rows larger than this (raw JSONL bytes; Parquet: the row's strings) are bad rows,
+    found before they are parsed, validated or rendered (see `row_budget`; None: no bound).
 
     Bad rows are collected in `Dataset.bad_rows` (skip) or raise `DatasetError` (stop). Duplicate
     uids are bad rows too: the uid names a prompt group, two groups must not share one.
@@ -242,7 +323,7 @@ def load_dataset(
     ds = Dataset(path=str(path))
     seen: dict[str, int] = {}
     stem = Path(path).stem
-    for lineno, row, problem in iter_rows(path):
+    for lineno, row, problem in iter_rows(path, max_row_bytes):
         if limit is not None and len(ds.samples) >= limit:
             break
         sample = None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import anyio
 
-from ..dataset import Dataset, DatasetError, load_dataset
+from ..dataset import Dataset, DatasetError, load_dataset, row_budget
 from ..output.writer import OutputWriteError, TrajectoryStream, clear_outputs
 from ..output.progress import RolloutProgress
 from ..config.rollout import ConfigError, RolloutConfig, load_config
@@ -251,5 +251,7 @@ def _load_data(cfg: RolloutConfig) -> Dataset:
         path: Path = arithmetic_prompts()
     else:
         path = Path(cfg.data)
+    # Rows that cannot fit the context are bad rows before they are parsed (a 30 MB row otherwise
+    # costs minutes of parsing and rendering on the event loop).
     return load_dataset(path, on_bad_row=cfg.on_bad_row, known_agents=registered_agents(),
-                        known_rewards=registered_rewards())
+                        known_rewards=registered_rewards(), max_row_bytes=row_budget(cfg.runtime.agent.max_context_tokens))

@@ -23,13 +23,28 @@ def take_prompts(samples: Sequence[Sample], start: int, count: int) -> list[Samp
     """`count` rows from position `start` of the endless repetition of `samples` (in order, wrapping).
 
     A row seen again (a later lap) gets its uid suffixed with the lap (uids name groups and must
-    stay unique across the run's output)."""
+    stay unique across the run's output): see `lap_uid`."""
     out = []
+    uids = {s.uid for s in samples} if start + count > len(samples) else set()
     for pos in range(start, start + count):
         s = samples[pos % len(samples)]
         lap = pos // len(samples)
-        out.append(s if lap == 0 else _relabel(s, f"{s.uid}@{lap}"))
+        out.append(s if lap == 0 else _relabel(s, lap_uid(s.uid, lap, uids)))
     return out
+
+
+def lap_uid(uid: str, lap: int, dataset_uids: Collection[str]) -> str:
+    """The uid of row `uid` on lap `lap` (>= 1): `uid@lap`, or, when the dataset itself has a row of that
+    name (rows `a` and `a@1`), `uid@lap~k` with the smallest k that no row has. Never a dataset uid,
+    and never another (row, lap)'s label: the label ends in `@<digits>` or `@<digits>~<digits>`, so
+    its row and lap can be read back from it."""
+    label = f"{uid}@{lap}"
+    k = 1
+    candidate = label
+    while candidate in dataset_uids:
+        candidate = f"{label}~{k}"
+        k += 1
+    return candidate
 
 
 def step_prompts(samples: Sequence[Sample], step: int, per_step: int | None) -> list[Sample]:

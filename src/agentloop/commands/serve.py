@@ -14,6 +14,10 @@ LIMITS_HELP = """request limits (each request is checked against them before any
   body size      every endpoint reads at most --max-request-bytes of body, except
                  /update_weights_from_tensor (weight payloads): --max-weights-request-bytes.
                  A larger body is refused with 413, before it is read when Content-Length says so.
+  bodies held    all bodies being read or handled at once hold at most --max-held-request-bytes
+                 (429 past it, before reading when Content-Length says so).
+  weight updates one at a time (body included); another waits up to --weight-update-wait seconds
+                 without its body being read, then gets 409.
   n              /generate's sampling_params.n may be at most --max-n (400 above).
   total work     one /generate may ask for at most --max-request-tokens tokens: prompt tokens +
                  max_new_tokens summed over all its inputs and samples (400 above: send it in parts).
@@ -55,6 +59,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
                    help="most tokens of work of one /generate: prompt + max_new_tokens over all its samples "
                    "(default: %(default)s)")
+    p.add_argument("--max-held-request-bytes", type=int, default=d.max_held_request_bytes,
+                   help="most body bytes held at once over all requests (default: %(default)s = 1.25 GiB)")
+    p.add_argument("--weight-update-wait", type=float, default=d.weight_update_wait, metavar="SECONDS",
+                   help="how long a weight update waits for the one in progress before 409 (default: %(default)s)")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -40,12 +40,22 @@ from ..agents.episode import BudgetSpent, Episode
 from ..agents.tool import assistant_message
 from ..chat import ChatTemplateError
 from ..engine.base import EngineError, GenerateOutput, SamplingParams
+from ..input_budget import bytes_budget
 from ..rewards import RewardResult, to_reward_result
 from ..tools import get_parser
 from ..types import Sample, Trajectory, TrajectoryStatus
 from .protocol import ChatCompletionRequest, CompletionResult, EndpointError, message_key, normalize_messages
 
 __all__ = ["Segment", "TrajectoryRecorder", "cut_at_stop"]
+
+#: Conversations with more characters than this are rendered and tokenized in a worker thread (the
+#: chat template and the tokenizer take ~1 s per MB: on the event loop that would stall every trajectory).
+OFF_LOOP_CHARS = 64 * 1024
+
+
+def _chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else len(str(m.get("content")))
+               for m in messages)
 
 
 @dataclass
@@ -103,6 +113,11 @@ class TrajectoryRecorder:
         self._call_ids = itertools.count()
         self._generate_fn = ctx.generate
 
+    @property
+    def max_request_bytes(self) -> int:
+        """Request bodies larger than this cannot fit the trajectory's context (refused before parsing)."""
+        return bytes_budget(self.ctx.config.max_context_tokens)
+
     # ------------------------------------------------------------------ one call
     async def complete(self, req: ChatCompletionRequest) -> CompletionResult:
         async with self._lock:
@@ -117,9 +132,14 @@ class TrajectoryRecorder:
             self.refusal = ("truncated", "max_assistant_turns")
             raise EndpointError(400, f"this trajectory has used its {cfg.max_assistant_turns} model turns "
                                 "(agent.max_assistant_turns)", code="max_assistant_turns")
+        if len(req.messages) > cfg.max_context_tokens:  # every message is at least one token
+            raise self._budget_error("max_context_tokens")
         messages = normalize_messages(req.messages)
         try:
-            seg = self._place(messages, req.tools or None)
+            if _chars(messages) > OFF_LOOP_CHARS:  # rendering and tokenizing this takes long: not on the loop
+                seg = await anyio.to_thread.run_sync(self._place, messages, req.tools or None)
+            else:
+                seg = self._place(messages, req.tools or None)
         except BudgetSpent as b:
             raise self._budget_error(b.reason) from None
         ep = seg.episode

@@ -11,6 +11,11 @@ leaving the block unregisters it and cancels its calls still running, so a clien
 trajectory gets a 404 and never reaches the engine. The server only moves requests: answering one is
 the `Completer`'s job (`TrajectoryRecorder`). Errors are OpenAI-shaped JSON with `x-should-retry:
 false`; a streamed answer is sent as server-sent events (`stream: true`).
+
+Hostile sizes never reach the event loop's hot path: a body over the completer's `max_request_bytes`
+(the trajectory's context budget in bytes, `input_budget`) is a 400 `context_length_exceeded` decided
+from `Content-Length` or while reading, before any parsing; a body over `MAX_BODY_BYTES` is a 413;
+a large body is parsed and validated in a worker thread; JSON nested too deeply is a 400.
 """
 
 from __future__ import annotations
@@ -43,9 +48,14 @@ __all__ = ["Completer", "EndpointServer", "Route"]
 
 #: Conversations with long tool results can be large; aiohttp's default body limit is 1 MiB.
 MAX_BODY_BYTES = 64 * 2**20
+#: Bodies larger than this are parsed off the event loop (parsing 1 MiB of JSON takes ~10 ms).
+OFF_LOOP_BYTES = 256 * 2**10
 
 
 class Completer(Protocol):
+    """Answers a trajectory's calls. May also have `max_request_bytes` (int or None): larger bodies are
+    refused as not fitting the context, before they are parsed."""
+
     async def complete(self, request: ChatCompletionRequest) -> CompletionResult: ...
 
 
@@ -143,11 +153,11 @@ class EndpointServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         entry = self._entry(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
-        req = parse_request(body)
+        raw = await _read_body(request, getattr(entry.completer, "max_request_bytes", None))
+        if len(raw) > OFF_LOOP_BYTES:
+            req = await anyio.to_thread.run_sync(_parse, raw)
+        else:
+            req = _parse(raw)
         scope = anyio.CancelScope()
         entry.scopes.add(scope)
         try:
@@ -175,12 +185,55 @@ class EndpointServer:
             return await handler(request)
         except EndpointError as e:
             return _error_response(e)
-        except web.HTTPException as e:  # unknown path or method: still an OpenAI-shaped error
+        except web.HTTPException as e:  # unknown path or method, a body too large: still an OpenAI-shaped error
+            code = _HTTP_CODES.get(e.status, "http_error")
             return _error_response(EndpointError(e.status, f"{request.method} {request.path}: {e.reason}",
-                                                 type="invalid_request_error", code="not_found"))
+                                                 type="invalid_request_error", code=code))
+        except RecursionError:  # nesting deep enough to exhaust the stack anywhere past the parser
+            return _error_response(EndpointError(400, "the request is nested too deeply", code="nested_too_deeply"))
         except Exception as e:  # a bug here must reach the agent as an error, not a dropped connection
             log.exception("endpoint: %s %s failed", request.method, request.path)
             return _error_response(EndpointError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _too_long(size: int | str, limit: int) -> EndpointError:
+    return EndpointError(400, f"the request body ({size} bytes) cannot fit this trajectory's context: bodies over "
+                         f"{limit} bytes are refused before parsing (agent.max_context_tokens)",
+                         code="context_length_exceeded", param="messages")
+
+
+async def _read_body(request: web.Request, limit: int | None) -> bytes:
+    """The body, refused (400) as soon as it is known to be over `limit`: from `Content-Length`
+    before reading, else while reading it (a chunked body), never holding more than `limit` + a chunk."""
+    if limit is None or limit >= MAX_BODY_BYTES:
+        return await request.read()  # aiohttp answers 413 past MAX_BODY_BYTES
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_long(request.content_length, limit)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise _too_long(f"over {size}", limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _parse(raw: bytes) -> ChatCompletionRequest:
+    """JSON and then the request's fields; every problem an `EndpointError` (400)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise EndpointError(400, "the request body is nested too deeply", code="nested_too_deeply") from None
+    try:
+        return parse_request(body)
+    except RecursionError:
+        raise EndpointError(400, "the request body is nested too deeply", code="nested_too_deeply") from None
 
 
 def _error_response(e: EndpointError) -> web.Response:

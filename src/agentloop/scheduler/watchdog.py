@@ -65,8 +65,14 @@ class Watchdog:
             await self._watch_deadlines()
 
     async def _watch_servers(self, hung_timeout: float) -> None:
+        period = min(5.0, hung_timeout / 4)
         while True:
-            await anyio.sleep(min(5.0, hung_timeout / 4))
+            t0 = anyio.current_time()
+            await anyio.sleep(period)
+            if anyio.current_time() - t0 - period > max(1.0, period):
+                # This event loop was blocked (a client-side stall): the servers' answers waited unread,
+                # so their silence is ours. Judge them next round, once the loop has read what came.
+                continue
             await self.router.take_out_stalled(hung_timeout)
 
     async def _watch_deadlines(self) -> None:

@@ -5,8 +5,9 @@ Any object with a `name`, an OpenAI function `schema` and an `execute(arguments,
 tool; subclassing `Tool` is optional. `tool_problems` says what an object lacks. `execute` may be
 async or plain (a plain one never runs on the event loop) and may return the text, or stream it as a
 (sync or async) iterator of text pieces, which the registry reads only up to its byte limit.
-A tool runs on its own event loop in a thread the step can abandon (`tools.call_thread`), unless it
-sets `runs_on_event_loop`.
+A tool runs in a tool worker process (`isolation = "process"`, `tools.worker_pool`), or in this
+process on its own event loop in a thread the step can abandon (`tools.call_thread`), unless it sets
+`runs_on_event_loop`.
 
 Tools are built once per worker and shared by every trajectory, so a tool keeps per-trajectory data in
 `context.state` (created/released by `create_state(context)`/`release_state(context)`), or, verl-style,
@@ -190,6 +191,12 @@ class Tool(ABC):
     #: limiter, connections made in `create_state`) and promise never to block and to honour
     #: cancellation; a tool that breaks the promise can stall the step.
     runs_on_event_loop: ClassVar[bool] = False
+    #: Where calls run (see docs/tools.md): "process" — a tool worker process, so a tool that exits,
+    #: holds the GIL, or leaves threads or processes behind ends only its own call; "inline" — this
+    #: process (trusted code only: the built-in calculator and python tools). None: the registry
+    #: decides — "process" for a tool from a YAML config, "inline" for an object passed in code. A
+    #: YAML entry's `isolation:` field overrides both.
+    isolation: ClassVar[str | None] = None
     #: JSON schema of the arguments object (OpenAI function `parameters`).
     parameters: ClassVar[dict[str, Any]] | dict[str, Any] = {"type": "object", "properties": {}}
 

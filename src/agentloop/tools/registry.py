@@ -7,14 +7,17 @@ Nothing a model writes, and nothing a tool does, can make `execute_calls` raise 
 errors, unknown tools, arguments that do not match the tool's JSON schema, timeouts, any exception a
 tool raises (`SystemExit`, `KeyboardInterrupt` and `CancelledError` included) and results that cannot
 be made text all become results with `ok=False` and an error message written for the model. Each call
-runs where the step can abandon it (`call_thread`), and its output is bounded in bytes while it is
-produced, then in tokens (`tool_output`).
+runs where the step can abandon it: a tool that is not trusted in a tool worker process
+(`worker_pool`, `isolation = "process"`: the default for tools from a YAML config), a trusted one in
+this process in a thread (`call_thread`). Its output is bounded in bytes while it is produced, then
+in tokens (`tool_output`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,7 +34,10 @@ from .base import (
 )
 from .call_thread import run_in_thread, run_on_loop
 from .parsers import ToolCall
-from .tool_config import ToolConfigError, build_entry, config_entries, entry_line, load_tool_class, read_yaml
+from .tool_config import (
+    ToolConfigError, build_entry, config_entries, entry_line, isolation_of, load_tool_class, read_yaml,
+)
+from .worker_pool import Lease, WorkerFailure, WorkerPool
 from .tool_output import OutputBound, collect, truncate_tokens_locked
 from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, Side, check_marker
 
@@ -43,13 +49,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Registered:
-    """A tool as registered: its OpenAI schema (YAML overrides applied), argument validator and state hooks."""
+    """A tool as registered: its OpenAI schema (YAML overrides applied), argument validator, state hooks
+    (run here for an inline tool; in the trajectory's worker for a process tool) and where it runs."""
 
     tool: ToolLike
     schema: dict[str, Any]
     validator: Any
     create: StateHook | None
     release: StateHook | None
+    isolation: str = "inline"
+    spec: tuple[str, Any] | None = None  # how a worker builds it: ("entry", config entry) or ("object", tool)
 
 
 class ToolRegistry:
@@ -58,14 +67,22 @@ class ToolRegistry:
 
     def __init__(self, tools: Iterable[ToolLike] = ()) -> None:
         self._tools: dict[str, _Registered] = {}
+        self._pool: WorkerPool | None = None
+        self._leases: dict[int, Lease] = {}  # id(ToolContext) -> its trajectory's pinned worker
         for i, tool in enumerate(tools):
             self.add(tool, where=f"tools[{i}]")
 
+    def __getstate__(self) -> dict[str, Any]:  # a pickled copy (a Ray worker's) starts its own workers
+        return {**self.__dict__, "_pool": None, "_leases": {}}
+
     # ---- building -------------------------------------------------------------------------------
-    def add(self, tool: ToolLike, *, where: str = "tool", function: Mapping[str, Any] | None = None) -> None:
+    def add(self, tool: ToolLike, *, where: str = "tool", function: Mapping[str, Any] | None = None,
+            entry: Mapping[str, Any] | None = None) -> None:
         """Register `tool`: any object with `name`, an OpenAI function `schema` and an async `execute`
         (`ToolLike`; a `Tool` subclass or not). `function` (name/description/parameters) replaces the
-        function part of the tool's own schema (a YAML `tool_schema`)."""
+        function part of the tool's own schema (a YAML `tool_schema`). `entry`: the config entry the
+        tool was built from (a worker process rebuilds it from there). Where its calls run is
+        `isolation_of(tool, entry)`: a process tool given as an object must be picklable."""
         problems = tool_problems(tool)
         if problems:
             raise ToolConfigError(
@@ -90,7 +107,26 @@ class ToolRegistry:
         except jsonschema.SchemaError as e:
             raise ToolConfigError(f"{where}: parameters of tool {name!r} are not a valid JSON schema: {e.message}") from None
         create, release = state_hooks(tool, name)
-        self._tools[name] = _Registered(tool, {"type": "function", "function": fn}, cls(params), create, release)
+        isolation = isolation_of(tool, entry, where)
+        spec: tuple[str, Any] | None = None
+        if isolation == "process":
+            if getattr(tool, "runs_on_event_loop", False):
+                raise ToolConfigError(f"{where}: tool {name!r} sets runs_on_event_loop, which needs isolation 'inline'"
+                                      " (a process tool runs on its worker's loop)")
+            if entry is not None:
+                spec = ("entry", {**entry, "isolation": "inline"})
+            else:
+                try:
+                    pickle.dumps(tool)
+                except Exception as e:
+                    raise ToolConfigError(f"{where}: tool {name!r} has isolation 'process' but cannot be sent to a "
+                                          f"worker process: {describe(e)} (load it from a YAML config instead)") from None
+                spec = ("object", tool)
+        self._tools[name] = _Registered(tool, {"type": "function", "function": fn}, cls(params), create, release,
+                                        isolation, spec)
+        if self._pool is not None:  # rebuilt with the new tool on the next call
+            self._pool.close()
+            self._pool = None
 
     @classmethod
     def load(cls, path: str | Path | None) -> "ToolRegistry":
@@ -123,7 +159,7 @@ class ToolRegistry:
         for i, entry in enumerate(config_entries(data)):
             where = f"tools[{i}]"
             tool, function = build_entry(entry, where)
-            reg.add(tool, where=where, function=function)
+            reg.add(tool, where=where, function=function, entry=entry)
         return reg
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -154,11 +190,12 @@ class ToolRegistry:
     # ---- per-trajectory state -------------------------------------------------------------------
     async def open_trajectory(self, context: ToolContext) -> None:
         """Create every stateful tool's per-trajectory state (`create_state(context)`, or verl's
-        `create(instance_id)`: see `tools.base.state_hooks`). If one fails, the ones already created
-        are released and the error (naming the tool) is raised."""
+        `create(instance_id)`: see `tools.base.state_hooks`): an inline tool's here, a process tool's in
+        a worker the trajectory is pinned to until `close_trajectory`. If one fails, the ones already
+        created are released and the error (naming the tool) is raised."""
         opened: list[str] = []
         for name, reg in self._tools.items():
-            if reg.create is not None:
+            if reg.create is not None and reg.isolation == "inline":
                 try:
                     await reg.create(context)
                 except BaseException as e:  # SystemExit & co. included: they fail this trajectory only
@@ -167,6 +204,12 @@ class ToolRegistry:
                         raise
                     raise RuntimeError(f"tool {name!r}: create_state failed for trajectory {context.trajectory_id}: {first_line(e)}") from e
             opened.append(name)
+        if any(r.isolation == "process" and (r.create or r.release) for r in self._tools.values()):
+            try:
+                self._leases[id(context)] = await self.pool().pin(context.trajectory_id, _fields(context))
+            except BaseException:
+                await self._release(opened, context)
+                raise
 
     async def close_trajectory(self, context: ToolContext) -> None:
         """Release every stateful tool's per-trajectory state (all of them, even if one fails;
@@ -179,14 +222,40 @@ class ToolRegistry:
         with anyio.CancelScope(shield=True):
             for name in names:
                 release = self._tools[name].release
-                if release is None:
+                if release is None or self._tools[name].isolation != "inline":
                     continue
                 try:
                     await release(context)
                 except BaseException as e:  # noqa: BLE001 - shielded: no cancellation of ours reaches here
                     errors.append(f"tool {name!r}: release_state failed: {first_line(e)}")
+            lease = self._leases.pop(id(context), None)
+            if lease is not None and self._pool is not None:
+                try:
+                    with anyio.fail_after(60):  # bounded: a release hook that hangs costs its worker, not the step
+                        await self._pool.unpin(lease)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(f"{first_line(e)}" if not isinstance(e, TimeoutError) else "release_state timed out")
         if errors:
             raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
+
+    # ---- worker processes -----------------------------------------------------------------------
+    def pool(self) -> WorkerPool:
+        """The worker processes of this registry's process tools (started on first use)."""
+        if self._pool is None:
+            specs = [(name, *r.spec) for name, r in self._tools.items() if r.spec is not None]
+            self._pool = WorkerPool(specs)
+        return self._pool
+
+    def isolation(self, name: str) -> str:
+        """Where the named tool's calls run: "process" or "inline"."""
+        self.get(name)
+        return self._tools[name].isolation
+
+    def close(self) -> None:
+        """Stop this registry's idle worker processes (the ones still busy are killed when their call
+        ends; any left at interpreter exit are killed then)."""
+        if self._pool is not None:
+            self._pool.close()
 
     @asynccontextmanager
     async def trajectory(self, context: ToolContext) -> AsyncIterator[ToolContext]:
@@ -279,6 +348,8 @@ class ToolRegistry:
             await collect(out, sink, name)  # type: ignore[arg-type]
 
         t0 = time.monotonic()
+        if self._tools[name].isolation == "process":  # type: ignore[index]
+            return await self._execute_in_worker(index, call, context, timeout, bound, t0)
         try:
             if getattr(tool, "runs_on_event_loop", False):
                 outcome = await run_on_loop(work, timeout=timeout)
@@ -304,6 +375,45 @@ class ToolRegistry:
             logger.warning("tool %r raised in trajectory %s", name, context.trajectory_id, exc_info=e)
             return error(f"Error: {describe(e)}", "exception")
         return ToolResult(index, name, sink.text(), seconds=seconds, call_id=call.id, truncated=sink.truncated)
+
+
+    async def _execute_in_worker(self, index: int, call: ToolCall, context: ToolContext, timeout: float,
+                                 bound: OutputBound, t0: float) -> ToolResult:
+        name = call.name
+        try:
+            reply = await self.pool().call(name, dict(call.arguments or {}), _fields(context),  # type: ignore[arg-type]
+                                           (bound.max_bytes, bound.side, bound.marker), timeout=timeout,
+                                           lease=self._leases.get(id(context)))
+        except WorkerFailure as e:
+            seconds = time.monotonic() - t0
+            if e.kind == "timeout":
+                text = f"Error: tool {name!r} timed out after {timeout:g} seconds (its worker process was replaced)"
+            else:
+                text = f"Error: tool {name!r}: {e}"
+            logger.warning("tool %r in trajectory %s: %s", name, context.trajectory_id, text)
+            return ToolResult(index, name, text, ok=False, error_kind=e.kind, seconds=seconds, call_id=call.id)  # type: ignore[arg-type]
+        except Exception as e:  # e.g. arguments or context that cannot be sent to the worker
+            return ToolResult(index, name, f"Error: tool {name!r} could not be run in its worker: {describe(e)}",
+                              ok=False, error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
+        seconds = time.monotonic() - t0
+        note = f"\n({reply['note']})" if reply.get("note") else ""
+        if reply.get("traceback"):
+            logger.warning("tool %r raised in trajectory %s (in its worker):\n%s", name, context.trajectory_id,
+                           reply["traceback"])
+        if not reply.get("ok"):
+            kind = reply.get("kind") if reply.get("kind") in ("timeout", "exception") else "exception"
+            return ToolResult(index, name, f"{reply.get('message')}{note}", ok=False, error_kind=kind, seconds=seconds,
+                              call_id=call.id)
+        text = reply.get("text")
+        if not isinstance(text, str):
+            return ToolResult(index, name, f"Error: tool {name!r}: its worker sent no text", ok=False,
+                              error_kind="exception", seconds=seconds, call_id=call.id)
+        return ToolResult(index, name, text + note, seconds=seconds, call_id=call.id, truncated=bool(reply.get("truncated")))
+
+
+def _fields(context: ToolContext) -> dict[str, Any]:
+    """What a worker needs to make the trajectory's `ToolContext` (its `state` stays where the tool runs)."""
+    return {"trajectory_id": context.trajectory_id, "scratch_dir": context.scratch_dir, "extra": dict(context.extra)}
 
 
 def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:

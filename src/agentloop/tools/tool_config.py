@@ -20,7 +20,12 @@ from ..yaml_strict import mark_where
 from ..yaml_strict import safe_load as strict_yaml_load
 from .base import Tool, ToolLike, first_line, function_of
 
-__all__ = ["ToolConfigError", "build_entry", "config_entries", "entry_line", "load_tool_class", "read_yaml"]
+__all__ = ["ISOLATIONS", "ToolConfigError", "build_entry", "config_entries", "entry_line", "isolation_of",
+           "load_tool_class", "read_yaml"]
+
+#: Where a tool's calls run: "process" (a tool worker process, `tools.worker_pool`) or "inline" (the
+#: runtime's process, in a thread the step can abandon, `tools.call_thread`).
+ISOLATIONS = ("process", "inline")
 
 
 class ToolConfigError(ValueError):
@@ -51,6 +56,7 @@ def load_tool_class(path: str) -> type[ToolLike]:
 def read_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
     """The parsed tool config file and its node tree (for `entry_line`). Unreadable files and YAML
     problems (a duplicated key included) are `ToolConfigError`s naming the file and the line."""
+
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -103,9 +109,12 @@ def build_entry(entry: Any, where: str) -> tuple[ToolLike, dict[str, Any] | None
     if not isinstance(config, Mapping):
         raise ToolConfigError(f"{where}.config: must be a mapping, got {type(config).__name__}")
     config = _without_verl_type(config, where)  # before the field check: an mcp entry's 'mcp' key gets this error
-    unknown = set(entry) - {"class_name", "config", "tool_schema"}
+    unknown = set(entry) - {"class_name", "config", "tool_schema", "isolation"}
     if unknown:
-        raise ToolConfigError(f"{where}: unknown field(s) {sorted(unknown)}; expected class_name, config, tool_schema")
+        raise ToolConfigError(
+            f"{where}: unknown field(s) {sorted(unknown)}; expected class_name, config, tool_schema, isolation")
+    if "isolation" in entry and entry["isolation"] not in ISOLATIONS:
+        raise ToolConfigError(f"{where}.isolation: must be one of {list(ISOLATIONS)}, got {entry['isolation']!r}")
     class_name = entry.get("class_name")
     if not isinstance(class_name, str) or not class_name:
         raise ToolConfigError(f"{where}.class_name: required, a dotted path like agentloop.tools.builtin.calculator.CalculatorTool")
@@ -123,6 +132,20 @@ def build_entry(entry: Any, where: str) -> tuple[ToolLike, dict[str, Any] | None
         raise ToolConfigError(f"{where}.config: {tool_cls.__name__}(...) failed: {type(e).__name__}: {first_line(e)}") from e
     schema = entry.get("tool_schema")
     return tool, (_apply_schema(tool, schema, where) if schema is not None else None)
+
+
+def isolation_of(tool: Any, entry: Mapping[str, Any] | None, where: str) -> str:
+    """Where a tool's calls run: the config entry's `isolation`, else the tool's own `isolation`
+    attribute, else "process" for a tool from a config entry (code named by a config file is not
+    trusted by default) and "inline" for a tool object built by the caller's own code."""
+    if entry is not None and "isolation" in entry:
+        return entry["isolation"]
+    own = getattr(tool, "isolation", None)
+    if own is None:
+        return "process" if entry is not None else "inline"
+    if own not in ISOLATIONS:
+        raise ToolConfigError(f"{where}: {type(tool).__name__}.isolation must be one of {list(ISOLATIONS)}, got {own!r}")
+    return own
 
 
 def _without_verl_type(config: Mapping[str, Any], where: str) -> dict[str, Any]:

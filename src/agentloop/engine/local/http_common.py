@@ -31,6 +31,39 @@ ENGINE_KEY = web.AppKey("engine", LocalEngine)
 ARGS_KEY = web.AppKey("server_args", dict)
 
 LIMITS_KEY = web.AppKey("request_limits", RequestLimits)
+
+
+class HeldBytes:
+    """Body bytes held now over all requests (`RequestLimits.max_held_request_bytes`): each request
+    reserves what it reads (all of it up front when `Content-Length` says) and gives it back when its
+    handler ends (`release_held`, in the server's middleware)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+
+    def reserve(self, request: web.Request, n: int) -> None:
+        if self.held + n > self.limit:
+            raise RequestValidationError(
+                f"the server already holds {self.held} bytes of request bodies; {request.path} needs {n} more, over "
+                f"the {self.limit} allowed at once (agentloop serve --max-held-request-bytes): retry later", status=429)
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        request[_HELD] = request.get(_HELD, 0) + n
+
+
+HELD_KEY = web.AppKey("held_bytes", HeldBytes)
+_HELD = "agentloop_held_bytes"
+
+
+def release_held(request: web.Request) -> None:
+    """Give back what the request reserved (called once its handler has ended)."""
+    held = request.app.get(HELD_KEY)
+    n = request.get(_HELD, 0)
+    if held is not None and n:
+        held.held -= n
+        request[_HELD] = 0
 #: Bodies larger than this are decoded in a worker thread (the event loop keeps serving meanwhile).
 _DECODE_OFF_LOOP_BYTES = 1 << 20
 
@@ -78,12 +111,18 @@ async def read_body(request: web.Request) -> bytes:
                  f"(agentloop serve --max-{'weights-' if request.path in WEIGHT_PAYLOAD_PATHS else ''}request-bytes)")
     if request.content_length is not None and request.content_length > limit:
         raise RequestValidationError(too_large, status=413)
+    held = request.app.get(HELD_KEY)
+    known = request.content_length or 0
+    if held is not None and known:
+        held.reserve(request, known)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(1 << 16):
         size += len(chunk)
         if size > limit:
             raise RequestValidationError(too_large, status=413)
+        if held is not None and size > known:  # a chunked body: reserved as it comes
+            held.reserve(request, len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -26,6 +26,11 @@ class RequestLimits:
     max_n: int = 128
     #: Most tokens of work one generate may ask for: over all its samples, prompt tokens + max_new_tokens.
     max_request_tokens: int = 1 << 20
+    #: Body bytes held at once over all requests being read or handled (429 past it): concurrent large
+    #: bodies cannot add up beyond it (four ~1 GiB weight bodies took the server to 7.7 GB RSS).
+    max_held_request_bytes: int = (1 << 30) + (256 << 20)
+    #: Seconds a weight update waits for the one in progress (one at a time) before it is refused (409).
+    weight_update_wait: float = 30.0
 
     def body_limit(self, path: str) -> int:
         return self.max_weights_request_bytes if path in WEIGHT_PAYLOAD_PATHS else self.max_request_bytes

@@ -17,14 +17,18 @@ import errno
 import logging
 import socket
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from .engine import EngineInputError, LocalEngine
 from .generate_api import generate, health_generate
-from .http_common import ARGS_KEY, ENGINE_KEY, LIMITS_KEY, RequestLimits, error_response, http_exception, json_body, response_for, unhealthy_response
+from .http_common import (
+    ARGS_KEY, ENGINE_KEY, HELD_KEY, LIMITS_KEY, HeldBytes, RequestLimits, error_response, http_exception, json_body,
+    release_held, response_for, unhealthy_response,
+)
 
 log = logging.getLogger("agentloop.serve")
 
@@ -38,7 +42,8 @@ FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Client errors → their status with a message; anything unexpected → 500, server lives on."""
+    """Client errors → their status with a message; anything unexpected → 500, server lives on. The
+    body bytes the request held are given back when it ends, however it ends."""
     try:
         return await handler(request)
     except EngineInputError as e:
@@ -53,6 +58,42 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception as e:  # noqa: BLE001 - reported to the client and logged, never swallowed
         log.exception("unhandled error on %s", request.path)
         return error_response(500, f"{type(e).__name__}: {e}")
+    finally:
+        release_held(request)
+
+
+UPDATE_LOCK_KEY = web.AppKey("weight_update_lock", asyncio.Lock)
+
+
+@asynccontextmanager
+async def _one_weight_update(request: web.Request) -> AsyncIterator[None]:
+    """One weight update at a time, its body included (two concurrent ~1 GiB bodies held 5.7 GB):
+    a second waits up to `RequestLimits.weight_update_wait` seconds without reading its body, then
+    is refused with 409. Afterwards the freed body memory goes back to the system (malloc_trim)."""
+    lock = request.app[UPDATE_LOCK_KEY]
+    wait = request.app[LIMITS_KEY].weight_update_wait
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout=wait)
+    except asyncio.TimeoutError:
+        raise EngineInputError(f"another weight update is in progress; this one waited {wait:g} s for it "
+                               "(one at a time: agentloop serve --weight-update-wait): send it again later",
+                               status=409) from None
+    try:
+        yield
+    finally:
+        release_held(request)  # before the next update may start reading its body
+        lock.release()
+        await asyncio.to_thread(_trim)
+
+
+def _trim() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them: ~2 GB stayed after large updates)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 # ---- memory, weights, control ------------------------------------------------------------------
@@ -85,16 +126,21 @@ def _update_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    body = await json_body(request)
-    msg = await request.app[ENGINE_KEY].update_weights_from_disk(body.get("model_path"), **_update_kwargs(body))
+    async with _one_weight_update(request):
+        body = await json_body(request)
+        msg = await request.app[ENGINE_KEY].update_weights_from_disk(body.get("model_path"), **_update_kwargs(body))
     return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    body = await json_body(request)
-    if "serialized_named_tensors" not in body:
-        raise EngineInputError("serialized_named_tensors is required")
-    msg = await request.app[ENGINE_KEY].update_weights_from_tensor(body["serialized_named_tensors"], **_update_kwargs(body))
+    async with _one_weight_update(request):
+        body = await json_body(request)
+        if "serialized_named_tensors" not in body:
+            raise EngineInputError("serialized_named_tensors is required")
+        payloads = body.pop("serialized_named_tensors")
+        kwargs = _update_kwargs(body)
+        del body  # the payload strings are the bulk: nothing else keeps them alive while they are decoded
+        msg = await request.app[ENGINE_KEY].update_weights_from_tensor(payloads, **kwargs)
     return web.json_response({"success": True, "message": msg})
 
 
@@ -233,6 +279,8 @@ def build_app(engine: LocalEngine, server_args: dict[str, Any] | None = None,
     app = web.Application(middlewares=[_errors],
                           client_max_size=max(limits.max_request_bytes, limits.max_weights_request_bytes))
     app[LIMITS_KEY] = limits
+    app[HELD_KEY] = HeldBytes(limits.max_held_request_bytes)
+    app[UPDATE_LOCK_KEY] = asyncio.Lock()
     app[ENGINE_KEY] = engine
     app[ARGS_KEY] = dict(server_args or {})
     # Methods as SGLang's decorators: @app.api_route(..., methods=[...]) / @app.get / @app.post.
@@ -318,7 +366,9 @@ def run(args: argparse.Namespace) -> int:
     server_args["port"] = port
     log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, port)
     limits = RequestLimits(max_request_bytes=args.max_request_bytes, max_weights_request_bytes=args.max_weights_request_bytes,
-                           max_n=args.max_n, max_request_tokens=args.max_request_tokens)
+                           max_n=args.max_n, max_request_tokens=args.max_request_tokens,
+                           max_held_request_bytes=args.max_held_request_bytes,
+                           weight_update_wait=args.weight_update_wait)
     web.run_app(build_app(engine, server_args, limits), sock=sock, print=None, access_log=None,
                 # Cancel a handler whose client went away, so its requests are aborted (SGLang does too).
                 handler_cancellation=True)

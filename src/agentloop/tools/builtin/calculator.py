@@ -122,6 +122,7 @@ class CalculatorTool(Tool):
     name = CALCULATOR_TOOL["function"]["name"]
     description = CALCULATOR_TOOL["function"]["description"]
     parameters = CALCULATOR_TOOL["function"]["parameters"]
+    isolation = "inline"  # pure, bounded, ours: no worker process needed
 
     def __init__(self, *, max_chars: int = 1000, max_depth: int = 50, max_exponent: int = 1000, max_abs: float = 1e100) -> None:
         self.limits = {"max_chars": max_chars, "max_depth": max_depth, "max_exponent": max_exponent, "max_abs": max_abs}

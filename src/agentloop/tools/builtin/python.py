@@ -101,6 +101,7 @@ class PythonTool(Tool):
     # Its per-loop limiter (max_concurrent) must be shared by all calls, and it never blocks the loop
     # and kills its child on cancellation: it runs on the worker's loop, not a thread of its own.
     runs_on_event_loop = True
+    isolation = "inline"  # ours; the code it runs is sandboxed in its own child process
     description = (
         "Run a Python 3 program and return what it prints (stdout, then stderr). Only the standard "
         "library is available; no network, no subprocesses; files may be written in the current directory only. "
