@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import tiny_tool_model
+from .tiny import tiny_tool_model
 
 __all__ = ["weak_tiny_tool_model"]
 
