@@ -27,7 +27,7 @@ def test_rollout_throughput_tool_latency_aliases(flag: str) -> None:
 
 def test_long_tail_tool_latency_flag() -> None:
     lt = bench_module("long_tail")
-    assert lt.parse_args(["--tool-latency", "0.3"]).tool_latency_mean == 0.3
+    assert lt.parse_args(["--tool-latency-mean", "0.3"]).tool_latency_mean == 0.3
 
 
 @pytest.mark.parametrize("name", ["long_tail", "lifecycle", "rollout_throughput"])

@@ -79,9 +79,9 @@ def test_a_given_number_is_kept_and_an_unanswering_server_is_said() -> None:
 
 def test_concurrency_setting_accepts_auto_or_a_positive_integer() -> None:
     assert RuntimeConfig().scheduler.concurrency == "auto"
-    assert load_config(None, {"concurrency": ("auto", "--concurrency")}).runtime.scheduler.concurrency == "auto"
+    assert load_config(None, {"runtime.scheduler.concurrency": ("auto", "--concurrency")}).runtime.scheduler.concurrency == "auto"
     with pytest.raises(Exception, match="--concurrency"):
-        load_config(None, {"concurrency": (0, "--concurrency")})
+        load_config(None, {"runtime.scheduler.concurrency": (0, "--concurrency")})
     with pytest.raises(Exception, match="concurrency"):
         RuntimeConfig.model_validate({"scheduler": {"concurrency": "lots"}})
 

@@ -112,7 +112,9 @@ async def test_three_runtimes_in_sequence_leave_the_server_as_they_found_it(mode
 # ---------------------------------------------------------------------- SIGKILL of a runtime process
 KILLER = textwrap.dedent("""
     import os, signal, sys, anyio
+    from agentloop.config import RuntimeConfig
     from agentloop.runtime import Runtime
+    from agentloop.runtime.engines import make_client
     from agentloop.types import Sample
 
     url, tokenizer, method, nth, when = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
@@ -136,8 +138,9 @@ KILLER = textwrap.dedent("""
 
     async def main():
         cfg = {"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"temperature": 0.0}}
-        rt = Runtime(cfg)
-        rt._client = lambda u, make=rt._client: (lambda c: (wrap(c), c)[1])(make(u))
+        client = make_client(url, RuntimeConfig.model_validate(cfg).engine)
+        wrap(client)
+        rt = Runtime(cfg, clients=[client])
         await rt.start()
         replay = {"prompt_tokens": 10, "turns": [{"gen_tokens": 8, "tool_latency_s": 0.02, "tool_result_tokens": 3}] * 2}
         for step in range(3):

@@ -57,7 +57,7 @@ async def version_agent(client: openai.AsyncOpenAI, sample: Sample) -> float:
 
 
 CONFIG = {
-    "engine": {"local_args": ["--num-threads", "1"]},
+    "engine": {"local": {"num_threads": 1}},
     "scheduler": {"n": 2, "concurrency": 4},
     "agent": {"agent": "openai", "function": "test_memory_mark:version_agent", "max_new_tokens_per_turn": 8,
               "max_response_tokens": 64},

@@ -185,11 +185,14 @@ def test_default_keepalive_is_below_sglangs() -> None:
 
 
 async def test_reachability_is_logged_once_per_change(caplog) -> None:
-    """A dead server: one warning however many requests fail; one line when it answers again."""
+    """A server lost after it answered: one warning however many requests fail; one line when it answers
+    again. (A server that never answered yet is still starting, not lost: nothing is said of it.)"""
     caplog.set_level(logging.INFO, logger="agentloop.engine.sglang")
     async with DroppingServer("second") as srv:
         url = srv.url
-    async with SGLangClient(url, vocab_size=None, retries=0) as client:
+        client = SGLangClient(url, vocab_size=None, retries=0)
+        await client.pause_generation()  # answered: the server is known to be up
+    async with client:
         for _ in range(5):
             with pytest.raises(EngineUnavailable):
                 await client.pause_generation()
