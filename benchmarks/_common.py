@@ -305,7 +305,7 @@ def runtime_config(engine: Engine, args: argparse.Namespace, *, concurrency: int
     return {
         "engine": {"urls": [engine.url], "tokenizer": str(engine.tokenizer_dir), "request_timeout": 600.0},
         "scheduler": {"concurrency": concurrency, "trajectory_timeout": 3600.0, **scheduler},
-        "agent": {"agent": "replay", "temperature": 1.0, "max_assistant_turns": 64,
+        "agent": {"agent": "replay", "sampling": {"temperature": 1.0}, "max_assistant_turns": 64,
                   "max_new_tokens_per_turn": max_turn_tokens, "max_response_tokens": max_response_tokens,
                   "max_context_tokens": max_response_tokens + 1024},
     }

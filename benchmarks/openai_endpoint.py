@@ -79,7 +79,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine_url:
         engine = {"urls": [args.engine_url], "tokenizer": str(model)}
     config = {"engine": engine, "scheduler": {"n": 1},
-              "agent": {"temperature": 0.0, "max_new_tokens_per_turn": 64, "max_assistant_turns": 4,
+              "agent": {"sampling": {"temperature": 0.0}, "max_new_tokens_per_turn": 64, "max_assistant_turns": 4,
                         "max_response_tokens": 384}}
     runs: list[dict[str, Any]] = []
     identical: dict[int, dict[str, int]] = {}

@@ -105,7 +105,7 @@ async def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict[s
     results = []
     cfg = {"engine": {"urls": [url], "tokenizer": str(model_dir)},
            "scheduler": {"n": 1, "concurrency": max(args.concurrency)},
-           "agent": {"temperature": 1.0, "max_new_tokens_per_turn": max(args.gen_tokens),
+           "agent": {"sampling": {"temperature": 1.0}, "max_new_tokens_per_turn": max(args.gen_tokens),
                      "max_response_tokens": max(args.gen_tokens) + 8, "max_context_tokens": 4096}}
     async with Runtime(cfg) as rt, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         bare_cpu: list[float] = []

@@ -397,7 +397,7 @@ async def measure(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     cfg = {
         "engine": {"urls": [], "tokenizer": str(model), "request_timeout": args.request_timeout},
         "scheduler": {"n": args.n, "concurrency": 64, "trajectory_timeout": args.trajectory_timeout, "abort_grace": 3.0},
-        "agent": {"temperature": 1.0, "tool_timeout": args.tool_timeout, "max_assistant_turns": 3,
+        "agent": {"sampling": {"temperature": 1.0}, "tool_timeout": args.tool_timeout, "max_assistant_turns": 3,
                   "max_new_tokens_per_turn": 48, "max_response_tokens": 384, "max_context_tokens": 2048},
     }
     tools = soak_tools(Chooser(faults, args.tool_fault_rate, args.seed + 1, args.smoke), gil_n=2_000_000_000)

@@ -126,7 +126,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": {"n": args.n, "concurrency": max(args.prompts * args.n, args.eval_prompts),
                       "trajectory_timeout": 300},
         "agent": {"max_assistant_turns": 3, "max_new_tokens_per_turn": args.max_new_tokens,
-                  "max_response_tokens": 3 * args.max_new_tokens + 64, "temperature": 1.0, "seed": None},
+                  "max_response_tokens": 3 * args.max_new_tokens + 64, "sampling": {"temperature": 1.0, "seed": None}},
     }
     report: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "steps": [],
                               "model": {"noise": args.noise if not args.model else None, "seed": args.seed,

@@ -371,10 +371,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def runtime_config(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     if args.mode == "tiny":
         agent = {"agent": "tool", "max_assistant_turns": 3, "max_new_tokens_per_turn": args.max_new_tokens,
-                 "max_response_tokens": 3 * args.max_new_tokens + 96, "temperature": 1.0}
+                 "max_response_tokens": 3 * args.max_new_tokens + 96, "sampling": {"temperature": 1.0}}
     else:
         agent = {"agent": "single_turn", "max_assistant_turns": 1, "max_new_tokens_per_turn": args.max_new_tokens,
-                 "max_response_tokens": args.max_new_tokens, "temperature": 1.0}
+                 "max_response_tokens": args.max_new_tokens, "sampling": {"temperature": 1.0}}
     # request_timeout well under trajectory_timeout (300 s): a stuck request leaves time to retry it elsewhere.
     engine: dict[str, Any] = {"request_timeout": 120, "start_timeout": 600}
     if args.no_sleep:

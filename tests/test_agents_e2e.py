@@ -21,7 +21,7 @@ import anyio
 import pytest
 import torch
 
-from agentloop.agents import AgentConfig, AgentContext, get_agent
+from agentloop.agents import AgentConfig, AgentContext, SamplingConfig, get_agent
 from agentloop.engine.base import GenerateOutput, SamplingParams
 from agentloop.engine.lifecycle import Lifecycle
 from agentloop.engine.sglang import SGLangClient
@@ -104,7 +104,7 @@ async def test_tool_loop_on_arithmetic_with_the_tiny_model(tiny_engine: Engine) 
     tools = ToolRegistry([CalculatorTool()])  # built once, shared by every trajectory
     cfg = AgentConfig(
         max_assistant_turns=4, max_response_tokens=384, max_context_tokens=1024, max_new_tokens_per_turn=96,
-        temperature=0.0,
+        sampling=SamplingConfig(temperature=0.0),
     )
     questions = generate_questions(6, seed=7)
     samples = [
@@ -198,7 +198,7 @@ async def test_tiny_model_continues_after_a_hanging_and_a_raising_tool(tiny_engi
     lifecycle = Lifecycle([client])
     q = generate_questions(1, seed=11)[0]
     cfg = AgentConfig(max_assistant_turns=3, max_new_tokens_per_turn=96, tool_timeout=0.5,
-                      temperature=0.0)
+                      sampling=SamplingConfig(temperature=0.0))
     try:
         for mode, needle in (("hang", "timed out"), ("raise", "out of batteries")):
             uid = f"broken-{mode}"
@@ -233,7 +233,7 @@ async def test_simulated_user_asks_a_second_question_to_the_tiny_model(tiny_engi
                reward="arithmetic", extra={"user_turns": [q2.question]})
     rec = Recorder(Lifecycle([client]), tiny_engine.url, "chat")
     cfg = AgentConfig(max_assistant_turns=6, max_response_tokens=600, max_context_tokens=1500,
-                      max_new_tokens_per_turn=96, temperature=0.0)
+                      max_new_tokens_per_turn=96, sampling=SamplingConfig(temperature=0.0))
     ctx = AgentContext(generate=rec, tokenizer=tok, config=cfg, tools=ToolRegistry([CalculatorTool()]),
                        interaction=scripted_user)
     try:
@@ -271,7 +271,7 @@ async def test_interaction_loop_from_a_dataset_row_with_the_tiny_model(tiny_engi
     s = row_to_sample(row, default_uid="row0", known_agents=registered_agents())
     rec = Recorder(Lifecycle([client]), tiny_engine.url, s.uid)
     cfg = AgentConfig(max_assistant_turns=6, max_response_tokens=600, max_context_tokens=1500,
-                      max_new_tokens_per_turn=96, temperature=0.0)
+                      max_new_tokens_per_turn=96, sampling=SamplingConfig(temperature=0.0))
     ctx = AgentContext(generate=rec, tokenizer=tok, config=cfg, tools=ToolRegistry([CalculatorTool()]))
     try:
         traj = await get_agent(s.agent).run(s, ctx)
@@ -300,7 +300,7 @@ async def test_single_turn_and_replay_over_http(random_engine: Engine) -> None:
     lifecycle = Lifecycle([client])
     try:
         ctx, rec = _random_ctx(random_engine, lifecycle, "st", max_new_tokens_per_turn=12,
-                               temperature=1.0, seed=3)
+                               sampling=SamplingConfig(temperature=1.0, seed=3))
         traj = await get_agent("single_turn").run(Sample(uid="st", messages=[{"role": "user", "content": "hi"}]), ctx)
         assert traj.status in ("completed", "truncated") and traj.num_turns == 1
         assert_matches_engine(traj, rec)

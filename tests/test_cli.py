@@ -103,13 +103,13 @@ def test_config_file_refuses_the_flags_names_at_top_level(tmp_path: Path, capsys
     nested = tmp_path / "nested.yaml"
     nested.write_text("steps: 3\nprompts_per_step: 5\ndata: d.jsonl\nout: o\nruntime:\n  scheduler: {n: 4, concurrency: 8}\n"
                       "  engine: {urls: [http://a:1, http://b:2], model: /m}\n"
-                      "  agent: {max_new_tokens_per_turn: 40, temperature: 0.5, seed: 7}\n")
+                      "  agent: {max_new_tokens_per_turn: 40, sampling: {temperature: 0.5, seed: 7}}\n")
     cfg = load_config(nested)
     assert (cfg.runtime.scheduler.n, cfg.runtime.scheduler.concurrency) == (4, 8)
     assert cfg.runtime.engine.urls == ["http://a:1", "http://b:2"] and cfg.runtime.engine.model == "/m"
     assert (cfg.steps, cfg.prompts_per_step, cfg.data, cfg.out) == (3, 5, "d.jsonl", "o")
     agent = cfg.runtime.agent
-    assert (agent.max_new_tokens_per_turn, agent.temperature, agent.seed) == (40, 0.5, 7)
+    assert (agent.max_new_tokens_per_turn, agent.sampling.temperature, agent.sampling.seed) == (40, 0.5, 7)
     assert agent.max_assistant_turns == RolloutConfig().runtime.agent.max_assistant_turns  # the rest kept
     assert load_config(nested, {"runtime.scheduler.n": (6, "--n")}).runtime.scheduler.n == 6
     nested.write_text("steps: 1\nruntime:\n  scheduler:\n    n: 0\n")

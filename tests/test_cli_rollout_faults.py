@@ -55,9 +55,9 @@ def test_bad_tools_yaml_is_refused_before_any_engine_starts_naming_file_and_line
 
 def test_a_duplicated_key_in_the_config_file_is_an_error(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("steps: 2\nruntime:\n  agent:\n    temperature: 0.5\n    temperature: 0.7\n")
+    cfg.write_text("steps: 2\nruntime:\n  agent:\n    sampling:\n      temperature: 0.5\n      temperature: 0.7\n")
     r = rollout("--config", str(cfg), "--engine-url", DEAD_URL, "--out", str(tmp_path / "out"))
-    assert_refused_before_start(r, f"{cfg}:5:5: invalid YAML: duplicated key 'temperature' (first given at line 4)")
+    assert_refused_before_start(r, f"{cfg}:6:7: invalid YAML: duplicated key 'temperature' (first given at line 5)")
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])

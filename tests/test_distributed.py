@@ -70,7 +70,7 @@ def config(model: Path, servers: int) -> dict[str, Any]:
         "engine": {"model": str(model), "num_local_servers": servers, "local": ENGINE_LOCAL},
         "scheduler": {"n": 2},
         # Turns up to 1000 tokens: the sleep-mid-step test needs a first turn no machine finishes before the sleep.
-        "agent": {"temperature": 0.0, "seed": 7, "max_new_tokens_per_turn": 1000, "max_response_tokens": 1100},
+        "agent": {"sampling": {"temperature": 0.0, "seed": 7}, "max_new_tokens_per_turn": 1000, "max_response_tokens": 1100},
     }
 
 
@@ -280,7 +280,7 @@ def test_tools_given_to_ray_runtime_run_on_the_workers(ray_session: None) -> Non
     # workers must run from the registry given to the driver (each worker unpickles its own copy).
     rows = [json.loads(line) for line in arithmetic_prompts().read_text().splitlines()[:3]]
     cfg = {"engine": {"local": ENGINE_LOCAL}, "scheduler": {"n": 1},
-           "agent": {"temperature": 0.0, "max_new_tokens_per_turn": 48, "max_assistant_turns": 3}}
+           "agent": {"sampling": {"temperature": 0.0}, "max_new_tokens_per_turn": 48, "max_assistant_turns": 3}}
     module = sys.modules[__name__]
     # The workers cannot import this test module: a worker that cannot unpickle the tools says so.
     failing = RayRuntime(cfg, tools=ToolRegistry([MarkedCalculator()]), ray_config={"num_workers": 1, "engine_num_cpus": 0})

@@ -66,7 +66,7 @@ def samples(n: int, prefix: str, turns: int = 2, gen: int = 8, latency: float = 
 def config(urls: list[str], model_dir: Path, **engine: Any) -> dict[str, Any]:
     return {"engine": {"urls": urls, "tokenizer": str(model_dir), "liveness_timeout": 2.0, "request_timeout": 60, **engine},
             "scheduler": {"concurrency": 8, "trajectory_timeout": 120},
-            "agent": {"temperature": 0.0}}
+            "agent": {"sampling": {"temperature": 0.0}}}
 
 
 async def server_state(url: str) -> dict[str, Any]:
@@ -137,7 +137,7 @@ KILLER = textwrap.dedent("""
         setattr(client, method, call)
 
     async def main():
-        cfg = {"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"temperature": 0.0}}
+        cfg = {"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"sampling": {"temperature": 0.0}}}
         client = make_client(url, RuntimeConfig.model_validate(cfg).engine)
         wrap(client)
         rt = Runtime(cfg, clients=[client])

@@ -64,7 +64,7 @@ def samples(n: int, prefix: str, turns: int = 2, latency: float = 0.05) -> list[
 
 def config(url: str, model: Path, **engine: Any) -> dict[str, Any]:
     return {"engine": {"urls": [url], "tokenizer": str(model), "liveness_timeout": 5.0, "request_timeout": 60, **engine},
-            "scheduler": {"concurrency": 8, "trajectory_timeout": 120}, "agent": {"temperature": 0.0}}
+            "scheduler": {"concurrency": 8, "trajectory_timeout": 120}, "agent": {"sampling": {"temperature": 0.0}}}
 
 
 async def server_state(url: str) -> dict[str, Any]:
@@ -151,7 +151,7 @@ OWNER = textwrap.dedent("""
                        extra={"replay": replay}) for i in range(4)]
 
     async def main():
-        async with Runtime({"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"temperature": 0.0}}) as rt:
+        async with Runtime({"engine": {"urls": [url], "tokenizer": tokenizer}, "agent": {"sampling": {"temperature": 0.0}}}) as rt:
             await rt.step(samples("s0-", 2))
             async def announce():
                 await rt.lifecycle.gate.wait_awake(60)

@@ -96,7 +96,7 @@ RUNTIME_PROGRAM = textwrap.dedent("""
     async def main():
         def cfg(n):
             return {"engine": {"model": sys.argv[1], "num_local_servers": n, "local": {"num_threads": 1}},
-                    "agent": {"temperature": 0.0}}
+                    "agent": {"sampling": {"temperature": 0.0}}}
         async with Runtime(cfg(1)) as rt:  # the normal stop path
             engines = await two_steps(rt)
         print(json.dumps(engines), flush=True)

@@ -45,8 +45,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
 def test_misuse_is_refused_before_any_engine_starts() -> None:
     from types import SimpleNamespace
 
-    rollout = AgentloopRollout({"agent": {"temperature": 1.0}})
-    with pytest.raises(ValueError, match=r"agent.temperature=1.0 but GRPOConfig.temperature=0.7"):
+    rollout = AgentloopRollout({"agent": {"sampling": {"temperature": 1.0}}})
+    with pytest.raises(ValueError, match=r"agent.sampling.temperature=1.0 but GRPOConfig.temperature=0.7"):
         rollout([[{"role": "user", "content": "1+1?"}]], SimpleNamespace(temperature=0.7))
     assert not rollout.runtime.started
     with pytest.raises(ValueError, match="one completion per prompt entry"):
@@ -65,7 +65,7 @@ def test_grpo_trainer_two_steps_with_agentloop_rollouts(tmp_path) -> None:
                       learning_rate=1e-3, temperature=1.0, logging_steps=1, report_to=[], save_strategy="no",
                       use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, max_completion_length=160)
     cfg = {"engine": {"local": {"num_threads": 1}},
-           "agent": {"temperature": 1.0, "max_new_tokens_per_turn": 48, "max_response_tokens": 160}}
+           "agent": {"sampling": {"temperature": 1.0}, "max_new_tokens_per_turn": 48, "max_response_tokens": 160}}
     stages_per_call: list[list[str]] = []
     with AgentloopRollout(cfg) as rollout:
         lc = rollout.runtime.lifecycle

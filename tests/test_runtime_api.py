@@ -148,7 +148,7 @@ def test_real_engine_rows_default_agent_default_reward_and_context_for_two_steps
     agent's context budget taken from the engine's reported context length."""
     cfg = {
         "engine": {"local": {"num_threads": 1, "log_level": "warning", "context_length": 1024}},
-        "agent": {"agent": "single_turn", "temperature": 0.0, "max_new_tokens_per_turn": 48,
+        "agent": {"agent": "single_turn", "sampling": {"temperature": 0.0}, "max_new_tokens_per_turn": 48,
                   "max_assistant_turns": 3, "max_response_tokens": 200},
     }
     with Runtime(cfg) as rt:

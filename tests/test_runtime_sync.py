@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from agentloop.config import LaunchConfig, RuntimeConfig
 from agentloop.engine.lifecycle import EngineState
+from agentloop.engine.base import SamplingParams
 from agentloop.runtime import Runtime
 
 from test_scheduler_support import FakeEngine, length_reward, samples
@@ -70,9 +71,10 @@ def test_config_documents_every_field() -> None:
 
     walk(RuntimeConfig)
     walk(LaunchConfig)
-    cfg = RuntimeConfig.model_validate({"agent": {"temperature": 0.5, "max_new_tokens_per_turn": 7, "seed": 3}})
+    cfg = RuntimeConfig.model_validate({"agent": {"sampling": {"temperature": 0.5, "seed": 3}, "max_new_tokens_per_turn": 7}})
     ac = cfg.agent
-    assert ac.sampling.temperature == 0.5 and ac.sampling.max_new_tokens == 7 and ac.sampling.sampling_seed == 3
+    sp = ac.turn_sampling()
+    assert sp.temperature == 0.5 and sp.max_new_tokens == 7 and sp.sampling_seed == 3
     assert ac.max_new_tokens_per_turn == 7
     assert cfg.scheduler.prompts_per_step(16) == 16
     assert RuntimeConfig.model_validate({"scheduler": {"target_groups": 8, "oversample_factor": 1.5}}).scheduler.prompts_per_step(16) == 12
@@ -95,12 +97,64 @@ def test_agent_config_is_one_model_with_typed_knobs() -> None:
         name = next(iter(old))
         with pytest.raises(ValidationError, match=rf"extra.{name}: `{name}` is a setting of its own \(agent.{name}\)"):
             AgentConfig(extra=old)
-    with pytest.raises(ValidationError, match=r"sampling\n  Extra inputs are not permitted"):
+    with pytest.raises(ValidationError, match=r"sampling\n  Input should be a valid dictionary or instance of SamplingConfig"):
         AgentConfig(sampling=SamplingParams(temperature=0.0))
-    ac = AgentConfig(max_new_tokens_per_turn=9, temperature=0.0, seed=4, sampling_extra={"stop_token_ids": [5]})
-    sp = ac.sampling
+    ac = AgentConfig(max_new_tokens_per_turn=9, sampling={"temperature": 0.0, "seed": 4, "extra": {"stop_token_ids": [5]}})
+    sp = ac.turn_sampling()
     assert (sp.temperature, sp.sampling_seed, sp.stop_token_ids, sp.max_new_tokens) == (0.0, 4, [5], 9)
-    assert AgentConfig(sampling_extra={"repetition_penalty": 1.1}).sampling.to_json()["repetition_penalty"] == 1.1
+    assert AgentConfig(sampling={"extra": {"repetition_penalty": 1.1}}).turn_sampling().to_json()["repetition_penalty"] == 1.1
+
+
+def _old_turn_sampling(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                       min_p: float = 0.0, seed: int | None = None, sampling_extra: dict | None = None) -> SamplingParams:
+    """What the flat `AgentConfig.sampling` property built before the sub-model (kept here as the reference)."""
+    sd = {} if seed is None else {"sampling_seed": seed}
+    return SamplingParams.from_mapping({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                                        "top_k": top_k, "min_p": min_p, **sd, **(sampling_extra or {})})
+
+
+def test_sampling_is_a_sub_model_with_todays_defaults_and_turn_params() -> None:
+    """`AgentConfig.sampling` is a `SamplingConfig`: the defaults, the validation and a turn's `SamplingParams`
+    are those of the flat settings it replaces."""
+    from agentloop.agents import AgentConfig, SamplingConfig
+
+    assert AgentConfig.model_fields["sampling"].annotation is SamplingConfig
+    default = AgentConfig().sampling
+    assert default.model_dump() == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "extra": {}}
+    assert AgentConfig().turn_sampling() == _old_turn_sampling(256)
+    assert "sampling_seed" not in AgentConfig().turn_sampling().to_json()
+    for flat in ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 11},
+                 {"seed": 0, "sampling_extra": {"repetition_penalty": 1.1, "stop_token_ids": [3, 4], "top_k": 5}}):
+        nested = {("extra" if k == "sampling_extra" else k): v for k, v in flat.items()}
+        ac = AgentConfig(max_new_tokens_per_turn=33, sampling=nested)
+        assert ac.turn_sampling() == _old_turn_sampling(33, **flat)
+        assert ac.turn_sampling().to_json() == _old_turn_sampling(33, **flat).to_json()
+        assert ac.turn_sampling() is not ac.turn_sampling()  # a new object per call: callers build it once
+        assert ac.sampling.params(33) == ac.turn_sampling()
+    for bad in ({"temperature": -0.1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 2}, {"seed": "x"}, {"typo": 1}):
+        with pytest.raises(ValidationError, match=rf"sampling\.{next(iter(bad))}"):
+            AgentConfig(sampling=bad)
+    with pytest.raises(ValidationError, match="temperature"):
+        AgentConfig().sampling.temperature = -1  # validate_assignment, as before
+    yaml_cfg = RuntimeConfig.model_validate({"agent": {"sampling": {"temperature": 0.25, "seed": 9}}})
+    assert (yaml_cfg.agent.sampling.temperature, yaml_cfg.agent.sampling.seed) == (0.25, 9)
+    assert RuntimeConfig.model_validate(yaml_cfg.model_dump(mode="json")) == yaml_cfg  # round-trips (Ray workers)
+
+
+def test_the_flat_sampling_spelling_is_refused_naming_the_new_place() -> None:
+    from agentloop.agents import AgentConfig
+
+    for old, new in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                     ("seed", "seed"), ("sampling_extra", "extra")):
+        value = {} if old == "sampling_extra" else 1
+        with pytest.raises(ValidationError, match=rf"agent\.{old}: write it as agent\.sampling\.{new}"):
+            AgentConfig(**{old: value})
+        with pytest.raises(ValidationError, match=rf"agent\.{old}: write it as agent\.sampling\.{new}"):
+            RuntimeConfig.model_validate({"agent": {old: value}})
+        if old != "sampling_extra":
+            with pytest.raises(ValidationError, match=rf"extra\.{old}: `{old}` is a setting of its own "
+                                                      rf"\(agent\.sampling\.{new}\)"):
+                AgentConfig(extra={old: 1})
 
 
 def test_one_stage_wake_up_for_two_steps() -> None:

@@ -166,7 +166,7 @@ class ScriptedLoop(AgentLoop):
                 await anyio.sleep(ex.get("tool_delay", 0.0))
                 buf.append_tokens(TOOL_TOKENS)
                 timeline.append(TimelineEvent("tool", t0, clock()))
-            out = await ctx.generate(buf.ids, ctx.config.sampling.replace(max_new_tokens=ex.get("tokens", 4)))
+            out = await ctx.generate(buf.ids, ctx.config.turn_sampling().replace(max_new_tokens=ex.get("tokens", 4)))
             if out.output_ids or not out.aborted:
                 buf.append_model_turn(out)
             if out.aborted:

@@ -1,4 +1,4 @@
-"""`seed` (`--seed`, `runtime.agent.seed`) makes a run repeatable without collapsing GRPO groups: each
+"""`seed` (`--seed`, `runtime.agent.sampling.seed`) makes a run repeatable without collapsing GRPO groups: each
 model turn of each sample is sent its own `sampling_seed`, derived from the seed, the sample's uid,
 its index in the group and the turn (a single seed on every request made the n samples of a prompt
 identical). Checked against the real CPU engine, two steps per run."""
@@ -22,7 +22,7 @@ def test_sample_seed_is_stable_distinct_and_in_range() -> None:
 
 async def _two_steps(url: str, seed: int | None) -> tuple[list[list[Any]], list[int]]:
     cfg = {"engine": {"urls": [url]}, "scheduler": {"n": 4},
-           "agent": {"agent": "single_turn", "temperature": 1.5, "seed": seed, "max_new_tokens_per_turn": 12}}
+           "agent": {"agent": "single_turn", "sampling": {"temperature": 1.5, "seed": seed}, "max_new_tokens_per_turn": 12}}
     prompts = [Sample(uid=f"q{i}", messages=[{"role": "user", "content": f"question {i}"}]) for i in range(3)]
     sent: list[int] = []
     async with Runtime(cfg) as rt:
@@ -64,5 +64,5 @@ async def test_seeded_groups_stay_diverse_and_the_run_repeats_exactly(local_engi
 def test_unseeded_turns_send_no_sampling_seed_field() -> None:
     from agentloop.agents.base import AgentConfig
 
-    assert "sampling_seed" not in AgentConfig().sampling.to_json()  # not even an explicit null
-    assert AgentConfig(seed=7).sampling.to_json()["sampling_seed"] == 7
+    assert "sampling_seed" not in AgentConfig().turn_sampling().to_json()  # not even an explicit null
+    assert AgentConfig(sampling={"seed": 7}).turn_sampling().to_json()["sampling_seed"] == 7

@@ -149,7 +149,7 @@ async def test_a_hostile_tool_never_stalls_or_ends_the_step(case: str, tiny_engi
     cfg = {
         "engine": {"urls": [url], "tokenizer": model},
         "scheduler": {"n": 1, "trajectory_timeout": 20.0, "abort_grace": 5.0},
-        "agent": {"temperature": 0.0, "tool_timeout": 1.0, "max_assistant_turns": 2, "max_new_tokens_per_turn": 48,
+        "agent": {"sampling": {"temperature": 0.0}, "tool_timeout": 1.0, "max_assistant_turns": 2, "max_new_tokens_per_turn": 48,
                   "max_response_tokens": 512, "max_tool_response_tokens": 96},
     }
     async with Runtime(cfg, clients=[SGLangClient(url)], tools=ToolRegistry([make()])) as rt:

@@ -235,7 +235,7 @@ async def second_attach(res: Results, url: str, model: Path, work: Path) -> None
 
     rows = [json.loads(x) for x in arithmetic_prompts().read_text().splitlines() if x.strip()]
     cfg = {"engine": {"urls": [url], "tokenizer": str(model)}, "scheduler": {"n": 2, "concurrency": 64},
-           "agent": {"temperature": 0.0}}
+           "agent": {"sampling": {"temperature": 0.0}}}
     b_done: list[subprocess.CompletedProcess[str]] = []
     async with Runtime(cfg) as a:
         r1 = await a.step([dict(r, uid=f"a1-{i}") for i, r in enumerate(rows[:16])])
@@ -343,7 +343,7 @@ async def two_servers_one_killed(res: Results, model: Path, args: argparse.Names
         await start(i)
     res.stage("two_servers_one_killed", urls=urls, gpu_used_gib_both_up=gpu_used_gib())
     cfg = {"engine": {"urls": urls, "tokenizer": str(model), "liveness_timeout": 5.0},
-           "scheduler": {"n": 2, "concurrency": 64}, "agent": {"temperature": 0.0}}
+           "scheduler": {"n": 2, "concurrency": 64}, "agent": {"sampling": {"temperature": 0.0}}}
     from agentloop.data import arithmetic_prompts
 
     rows = [json.loads(x) for x in arithmetic_prompts().read_text().splitlines() if x.strip()]

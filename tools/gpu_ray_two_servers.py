@@ -118,7 +118,7 @@ async def run(args: argparse.Namespace, out: dict[str, Any], save: Callable[[dic
         engine = {"launch": {"model_path": str(model_dir), "num_servers": args.num_servers, "mem_fraction_static": args.mem_fraction,
                              "flags": flags}, "tokenizer": tokenizer, "start_timeout": args.start_timeout}
     config = {"engine": engine, "scheduler": {"n": args.n, "concurrency": args.prompts * args.n},
-              "agent": {"temperature": 1.0, "seed": 0, "max_response_tokens": 4096}}
+              "agent": {"sampling": {"temperature": 1.0, "seed": 0}, "max_response_tokens": 4096}}
     ray_config = {"num_workers": args.workers, "engine_num_gpus": 0.0 if args.dry_run else 1.0 / args.num_servers, "engine_num_cpus": 1}
     ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=False)
     out["config"] = {"runtime": config, "ray": ray_config, "cluster_resources": ray.cluster_resources()}

@@ -152,7 +152,7 @@ async def test_runtime_steps_with_tool_loop_on_sglang(tool_server) -> None:
     cfg = {"engine": {"tokenizer": str(model_dir), "request_timeout": 120},
            "scheduler": {"n": N, "concurrency": 64},
            "agent": {"max_assistant_turns": 4, "max_new_tokens_per_turn": 96, "max_response_tokens": 384,
-                     "max_context_tokens": 1024, "temperature": 1.0}}
+                     "max_context_tokens": 1024, "sampling": {"temperature": 1.0}}}
     trainer_sd = {k: v.to(device()) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device()).eval()
     step_weights = [Weights(path=str(model_dir), version="step-1"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, ContextMan
 
 import anyio
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.base import GenerateOutput, SamplingParams
 from ..tools.truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, check_marker
@@ -38,22 +38,12 @@ class StopSignal(Protocol):
     def interruptible(self) -> ContextManager[anyio.CancelScope]: ...
 
 
-class AgentConfig(BaseModel):
-    """Per-run knobs every agent loop understands. The one model for them: `RuntimeConfig.agent` (the
-    YAML's `runtime.agent`, `agentloop config --show`) is this class. Loops may read more from `extra`.
-
-    `sampling` is the `SamplingParams` of a model turn, built from the flat settings (temperature,
-    top_p, top_k, min_p, seed, sampling_extra)."""
+class SamplingConfig(BaseModel):
+    """How each model turn samples: `AgentConfig.sampling` (the YAML's `agent: {sampling: {...}}`).
+    `params(max_new_tokens)` is the `SamplingParams` of one turn."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    agent: str | None = Field("tool", description="Agent loop (registry name) for samples that name none (None: 'tool').")
-    tools: str | None = Field(None, description="Tool YAML config file. None: the built-in tools.")
-    max_assistant_turns: int = Field(8, ge=1, description="Most model turns in one trajectory.")
-    max_user_turns: int = Field(4, ge=0, description="Most simulated-user turns in one trajectory.")
-    max_response_tokens: int = Field(1024, ge=1, description="Token budget of the whole response (all turns, tool tokens included).")
-    max_context_tokens: int = Field(4096, ge=1, description="Prompt + response may not exceed this (the engine's context).")
-    max_new_tokens_per_turn: int = Field(256, ge=1, description="Most tokens one model turn may generate.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, description="Top-k sampling (-1: off).")
@@ -64,11 +54,44 @@ class AgentConfig(BaseModel):
         "the sample's uid, its index in the group and the turn: the samples of a group stay distinct and a re-run "
         "with the same seed repeats exactly.",
     )
-    sampling_extra: dict[str, Any] = Field(
+    extra: dict[str, Any] = Field(
         default_factory=dict,
         description="More SGLang `sampling_params` sent with every model turn, as given (e.g. {repetition_penalty: "
         "1.1, stop_token_ids: [7]}).",
     )
+
+    def params(self, max_new_tokens: int) -> SamplingParams:
+        """The `SamplingParams` of one model turn of at most `max_new_tokens` tokens (a new object at each
+        call: build it once and `replace` per turn). `seed` is sent as `sampling_seed`; `extra` as given."""
+        seed = {} if self.seed is None else {"sampling_seed": self.seed}  # unseeded: no field (not an explicit null)
+        return SamplingParams.from_mapping({
+            "max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, **seed, **self.extra})
+
+
+#: The flat `AgentConfig` spellings that moved into `AgentConfig.sampling` → their name there.
+_MOVED_TO_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "seed": "seed", "sampling_extra": "extra"}
+
+
+class AgentConfig(BaseModel):
+    """Per-run knobs every agent loop understands. The one model for them: `RuntimeConfig.agent` (the
+    YAML's `runtime.agent`, `agentloop config --show`) is this class. Loops may read more from `extra`.
+
+    `sampling` is a `SamplingConfig`; `turn_sampling()` gives the `SamplingParams` of one model turn."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    agent: str | None = Field("tool", description="Agent loop (registry name) for samples that name none (None: 'tool').")
+    tools: str | None = Field(None, description="Tool YAML config file. None: the built-in tools.")
+    max_assistant_turns: int = Field(8, ge=1, description="Most model turns in one trajectory.")
+    max_user_turns: int = Field(4, ge=0, description="Most simulated-user turns in one trajectory.")
+    max_response_tokens: int = Field(1024, ge=1, description="Token budget of the whole response (all turns, tool tokens included).")
+    max_context_tokens: int = Field(4096, ge=1, description="Prompt + response may not exceed this (the engine's context).")
+    max_new_tokens_per_turn: int = Field(256, ge=1, description="Most tokens one model turn may generate.")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="How each model turn samples (temperature, top_p, top_k, min_p, seed, extra).")
     tool_parser: str = Field("hermes", description="Tool-call parser name (see `agentloop.tools.parsers`).")
     tool_timeout: float = Field(30.0, gt=0, description="Seconds one tool call may take.")
     max_parallel_calls: int = Field(4, ge=1, description="Tool calls of one turn run concurrently up to this many.")
@@ -95,6 +118,18 @@ class AgentConfig(BaseModel):
         "-> result; docs/openai_agents.md); a sample's extra['function'] overrides it.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Free settings for custom agent loops (`ctx.config.extra`).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_is_nested(cls, data: Any) -> Any:
+        """The flat sampling spellings (`agent.temperature`, `agent.sampling_extra`) moved into `agent.sampling`:
+        refuse them, naming where to write them (silently dropping a temperature would change a run)."""
+        if isinstance(data, Mapping):
+            flat = [k for k in data if k in _MOVED_TO_SAMPLING]
+            if flat:
+                raise ValueError("; ".join(f"agent.{k}: write it as agent.sampling.{_MOVED_TO_SAMPLING[k]}"
+                                           for k in flat))
+        return data
+
     @field_validator("tool_response_truncation_marker")
     @classmethod
     def _marker_is_a_template(cls, v: str) -> str:
@@ -108,15 +143,16 @@ class AgentConfig(BaseModel):
         if settings:
             raise ValueError(f"extra.{settings[0]}: `{settings[0]}` is a setting of its own (agent.{settings[0]}), "
                              "not a free key of `extra`")
+        sampling = sorted(set(v) & set(_MOVED_TO_SAMPLING))
+        if sampling:
+            raise ValueError(f"extra.{sampling[0]}: `{sampling[0]}` is a setting of its own (agent.sampling."
+                             f"{_MOVED_TO_SAMPLING[sampling[0]]}), not a free key of `extra`")
         return v
 
-    @property
-    def sampling(self) -> SamplingParams:
-        """The sampling parameters of one model turn (`max_new_tokens` = `max_new_tokens_per_turn`)."""
-        seed = {} if self.seed is None else {"sampling_seed": self.seed}  # unseeded: no field (not an explicit null)
-        return SamplingParams.from_mapping({
-            "max_new_tokens": self.max_new_tokens_per_turn, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, **seed, **self.sampling_extra})
+    def turn_sampling(self) -> SamplingParams:
+        """The `SamplingParams` of one model turn (`max_new_tokens` = `max_new_tokens_per_turn`), a new
+        object at each call: build it once per episode (or call site) and `replace` per turn."""
+        return self.sampling.params(self.max_new_tokens_per_turn)
 
 
 def sample_seed(seed: int, uid: str, index: int, turn: int = 0) -> int:

@@ -56,9 +56,9 @@ class Episode:
         self.started = self.clock()
         self._continued = False  # the last model turn continued an open (resumed) message
         self._sampled_nothing = False
-        #: `config.sampling` built once per episode (it is a new `SamplingParams` from the settings at each
-        #: access); each turn takes a copy with its own budget and seed.
-        self._sampling = ctx.config.sampling
+        #: The `SamplingParams` of a model turn (`config.turn_sampling()`), built once per episode; each turn
+        #: takes a copy with its own budget and seed.
+        self.sampling = ctx.config.turn_sampling()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -129,7 +129,7 @@ class Episode:
         else:
             want = max_new_tokens
         n = min(want, left)
-        params = self._sampling.replace(max_new_tokens=n, **overrides)
+        params = self.sampling.replace(max_new_tokens=n, **overrides)
         if params.sampling_seed is not None and "sampling_seed" not in overrides:
             s = self.sample
             # Per sample and turn (group members would otherwise draw identical tokens); the turn
@@ -176,7 +176,7 @@ class Episode:
         return self.buffer.decode(ids)
 
     def _stop_ids(self) -> set[int]:
-        stops: set[int] = set(self._sampling.stop_token_ids or [])
+        stops: set[int] = set(self.sampling.stop_token_ids or [])
         tok = self.ctx.tokenizer
         eos = getattr(tok, "eos_token_id", None) if tok is not None else None
         if isinstance(eos, int):

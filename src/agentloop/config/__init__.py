@@ -4,6 +4,8 @@ Modules: `settings.py` (`RuntimeConfig` and its sections), `rollout.py` (`Rollou
 file and flags). Both files are read with `agentloop.yaml_strict` (duplicate keys refused, node positions kept).
 """
 
-from .settings import EngineConfig, LaunchConfig, LocalServerConfig, RayConfig, RuntimeConfig, SchedulerConfig
+from .settings import (EngineConfig, LaunchConfig, LocalServerConfig, RayConfig, RuntimeConfig, SamplingConfig,
+                       SchedulerConfig)
 
-__all__ = ["EngineConfig", "LaunchConfig", "LocalServerConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
+__all__ = ["EngineConfig", "LaunchConfig", "LocalServerConfig", "RayConfig", "RuntimeConfig", "SamplingConfig",
+           "SchedulerConfig"]

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..agents.base import AgentConfig
+from ..agents.base import AgentConfig, SamplingConfig
 from ..engine.base import MEMORY_TAGS, engine_url
 
-__all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SchedulerConfig"]
+__all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SamplingConfig", "SchedulerConfig"]
 
 
 class _Strict(BaseModel):

@@ -149,7 +149,7 @@ class TrajectoryRecorder:
         want = min(req.requested_max_tokens or limit, limit)
         overrides = req.sampling_overrides()
         if "extra" in overrides:
-            overrides["extra"] = {**cfg.sampling.extra, **overrides["extra"]}
+            overrides["extra"] = {**ep.sampling.extra, **overrides["extra"]}
         self._stops = req.stops
         try:
             out = await ep.generate(max_new_tokens=want, **overrides)

@@ -29,7 +29,7 @@ function never sees; `AgentloopRollout.reward_func("arithmetic")` is a TRL rewar
 each trajectory with agentloop's registered reward function and that column.
 
 Limits: one process (no `accelerate` data parallelism: each process would need its own engines); the
-rollout sampling temperature (`Runtime` config `agent.temperature`) must equal `GRPOConfig.temperature`
+rollout sampling temperature (`Runtime` config `agent.sampling.temperature`) must equal `GRPOConfig.temperature`
 (TRL scales its logits by it), checked at the first call.
 """
 
@@ -123,9 +123,9 @@ class AgentloopRollout:
 
     def _check_temperature(self, trainer: Any) -> None:
         want = getattr(trainer, "temperature", None)
-        have = self.runtime.config.agent.temperature
+        have = self.runtime.config.agent.sampling.temperature
         if want is not None and abs(float(want) - have) > 1e-9:
-            raise ValueError(f"AgentloopRollout: the runtime samples at agent.temperature={have} but GRPOConfig.temperature="
+            raise ValueError(f"AgentloopRollout: the runtime samples at agent.sampling.temperature={have} but GRPOConfig.temperature="
                              f"{want}; TRL scales its logprobs by its temperature, so set both to the same value")
 
     def _to_trl(self, trajs: list[Trajectory], trainer: Any) -> dict[str, list[Any]]:

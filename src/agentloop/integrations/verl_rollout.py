@@ -157,17 +157,20 @@ class AgentLoopManager:
             "max_response_tokens": self.response_length,
             "max_new_tokens_per_turn": self.response_length,
             "max_context_tokens": self.prompt_length + self.response_length,
-            "temperature": float(_cfg_get(rollout, "temperature", 1.0)),
-            "top_p": float(_cfg_get(rollout, "top_p", 1.0)),
-            "top_k": int(_cfg_get(rollout, "top_k", -1)),
             **dict(own.get("agent", {}) or {}),
         }
+        # verl's rollout sampling, under what the agentloop section's agent.sampling sets (merged per key).
+        own_sampling = base.get("sampling") or {}
+        if isinstance(own_sampling, Mapping):  # anything else: AgentConfig refuses it, naming agent.sampling
+            base["sampling"] = {"temperature": float(_cfg_get(rollout, "temperature", 1.0)),
+                                "top_p": float(_cfg_get(rollout, "top_p", 1.0)),
+                                "top_k": int(_cfg_get(rollout, "top_k", -1)), **dict(own_sampling)}
         val = _cfg_get(rollout, "val_kwargs", {})
         self.settings = {
             False: AgentConfig.model_validate(base),
-            True: AgentConfig.model_validate({**base, "temperature": float(_cfg_get(val, "temperature", 0.0)),
-                                                "top_p": float(_cfg_get(val, "top_p", 1.0)),
-                                                "top_k": int(_cfg_get(val, "top_k", -1))}),
+            True: AgentConfig.model_validate({**base, "sampling": {
+                **base["sampling"], "temperature": float(_cfg_get(val, "temperature", 0.0)),
+                "top_p": float(_cfg_get(val, "top_p", 1.0)), "top_k": int(_cfg_get(val, "top_k", -1))}}),
         }
         # verl repeats each prompt n times itself: every row is one trajectory (n=1 here).
         scfg = SchedulerConfig.model_validate({"reward": None, **dict(own.get("scheduler", {}) or {}), "n": 1})
