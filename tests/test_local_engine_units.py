@@ -187,7 +187,7 @@ async def test_engine_process_start_failure_reports_log_tail(tmp_path: Path) -> 
 async def test_model_update_lock_writer_waits_and_has_preference() -> None:
     import asyncio
 
-    from agentloop.engine.local.engine import ModelUpdateLock
+    from agentloop.engine.local.update_lock import ModelUpdateLock
 
     lock, order = ModelUpdateLock(), []
     first_in, release_first = asyncio.Event(), asyncio.Event()

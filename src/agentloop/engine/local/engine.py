@@ -28,8 +28,7 @@ from .request import Notifier, Request
 from .scheduler import PAUSE_MODES, Scheduler
 from .update_lock import ModelUpdateLock
 
-# Re-exported: the HTTP modules and tests import these from here.
-__all__ = ["EngineInputError", "LocalEngine", "ModelUpdateLock"]
+__all__ = ["LocalEngine"]
 
 
 log = logging.getLogger(__name__)

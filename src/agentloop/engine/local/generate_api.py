@@ -26,7 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import EngineInputError, LocalEngine
+from .admission import EngineInputError
+from .engine import LocalEngine
 from .http_common import ENGINE_KEY, LIMITS_KEY, RequestLimits, RequestValidationError, error_response, http_exception, json_body, unhealthy_response
 from .request import Request
 

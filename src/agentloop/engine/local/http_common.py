@@ -24,7 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import EngineInputError, LocalEngine
+from .admission import EngineInputError
+from .engine import LocalEngine
 from .limits import WEIGHT_PAYLOAD_PATHS, RequestLimits
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)

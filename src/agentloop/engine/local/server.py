@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from .engine import EngineInputError, LocalEngine
+from .admission import EngineInputError
+from .engine import LocalEngine
 from .generate_api import generate, health_generate
 from .http_common import (
     ARGS_KEY, ENGINE_KEY, HELD_KEY, LIMITS_KEY, HeldBytes, RequestLimits, error_response, http_exception, json_body,
