@@ -43,6 +43,7 @@ now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
 say() { echo "=== $* +$(now)s (left $(left)s)" | tee -a "$LOG"; }
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
+source "$REPO/tools/gpu/server_lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 WORK=${CONT_WORK:-/tmp/agentloop_continuous}
@@ -73,7 +74,7 @@ if [ "${CONT_KEEP_GPU_PROCS:-0}" != 1 ] && command -v nvidia-smi >/dev/null; the
   fi
 fi
 
-SERVER=; SERVER_LOG="$WORK/sglang.log"
+SERVER_LOG="$WORK/sglang.log"
 start_server() {
   local model="$WORK/model" port argv ready
   port=$(python3 -c "from agentloop.engine.launch import free_port; print(free_port())")
@@ -92,28 +93,12 @@ print(shlex.join(SGLangLaunchConfig(model_path=str(folder), load_format='dummy',
   fi
   URL="http://127.0.0.1:$port"
   say "server: $argv"
-  setsid bash -c "exec $argv" > "$SERVER_LOG" 2>&1 &
-  SERVER=$!
-  for _ in $(seq "$(left)"); do
-    grep -qF "$ready" "$SERVER_LOG" 2>/dev/null && break
-    kill -0 "$SERVER" 2>/dev/null || break
-    sleep 1
-  done
-  if ! grep -qF "$ready" "$SERVER_LOG" 2>/dev/null; then
+  if ! serve_start "$argv" "$ready" "$SERVER_LOG" "$URL" "$(left)"; then
     say "server not ready"; grep -v "Decode batch\|Prefill batch" "$SERVER_LOG" | tail -40 | tee -a "$LOG"; return 1
   fi
-  for _ in $(seq 60); do  # the CPU engine logs its line just before it listens
-    python3 -c "import urllib.request; urllib.request.urlopen('$URL/model_info', timeout=2)" 2>/dev/null && break; sleep 1
-  done
   say "server ready at $URL"
 }
-stop_server() {
-  [ -n "$SERVER" ] || return 0
-  kill -TERM -- -"$SERVER" 2>/dev/null
-  for _ in $(seq 30); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -"$SERVER" 2>/dev/null  # what is left of that group only (scheduler, detokenizer)
-  SERVER=
-}
+stop_server() { serve_stop; }
 trap stop_server EXIT
 
 run_part() {  # NAME LIMIT BENCHMARK ARGS...: benchmarks/BENCHMARK.py against the server, under min(LIMIT, time left)
