@@ -239,7 +239,12 @@ class ScheduleRun:
         if self.book.groups_wanted() > 0:
             return True
         active = self.cfg.active
-        return active is not None and self.book.unfinished < active
+        if active is None:
+            return False
+        # A whole group is drawn at once: it must fit under `active` (an empty run takes one regardless,
+        # so `active` below the group size still makes progress).
+        unfinished = self.book.unfinished
+        return unfinished == 0 or unfinished + self.cfg.n <= active
 
     async def _feed(self) -> None:
         """Draw fresh prompts from the feeder whenever one is wanted, until the run stops, the feeder runs
