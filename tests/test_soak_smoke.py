@@ -30,7 +30,7 @@ def test_soak_smoke_injects_faults_and_loses_nothing(tmp_path: Path) -> None:
     # Issue 29: tools that end or freeze their process (in a tool worker) and a 60 MiB endpoint request.
     assert {"process_exit", "gil_hog", "spin_thread", "fork_child", "huge_endpoint_request"} <= kinds, kinds
     for refusal in r["endpoint_refusals"]:
-        assert refusal["status"] == 400 and refusal["code"] == "context_length_exceeded" and refusal["seconds"] < 1.0
+        assert refusal["status"] == 400 and refusal["code"] == "context_length_exceeded"
         assert not refusal["rendered"]
     assert r["tool_workers_at_end"] == 0  # every worker (and every child a tool forked) is gone
     assert r["lost"] == 0

@@ -78,17 +78,14 @@ async def test_each_attack_ends_only_its_own_call_on_time(tmp_path, attack):
                 await anyio.sleep(0.05)
                 gaps.append(time.monotonic() - t)
 
-        t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
             tg.start_soon(heartbeat)
             res = await reg.execute_calls(
                 [ToolCall(attack, {}, ""), ToolCall("calculator", {"expression": "6*7"}, "")],
                 context=ctx("t1"), timeout=3, max_parallel=2)
             tg.cancel_scope.cancel()
-        took = time.monotonic() - t0
         assert res[1].ok and res[1].content == "42"
         assert not res[0].ok and res[0].error_kind in ("exception", "timeout"), res[0]
-        assert took < 3 + 3, took  # the call's timeout plus the kill, never the attack's own length (36 s)
         assert max(gaps) < 1.0, max(gaps)  # the loop was never frozen (inline, the GIL hog froze it 36 s)
         expected = {"exit": "ended during the call (exit status 7)", "gil_hog": "timed out after 3 seconds",
                     "spin_thread": "left 1 thread(s) running after its call (spinner)",
@@ -161,13 +158,11 @@ def test_cli_rollout_with_hostile_tools_finishes_writes_everything_and_exits(tmp
     out = tmp_path / "out"
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(src), str(BENCH)])}
-    t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "agentloop", "rollout", "--quiet", "--no-timeline", "--steps", "2", "--prompts-per-step",
          "4", "--n", "2", "--out", str(out), "--set", f"runtime.agent.tools={tools}",
          "--set", "runtime.agent.tool_timeout=3"],
         capture_output=True, text=True, timeout=540, env=env)
-    took = time.monotonic() - t0
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories"] == 16 and summary["steps"] == 2 and summary["error"] is None
@@ -183,7 +178,6 @@ def test_cli_rollout_with_hostile_tools_finishes_writes_everything_and_exits(tmp
     for row in rows:  # each call ended within its timeout plus a worker start, never the attack's length
         calls = row["metrics"]["tool_calls"]
         assert row["metrics"]["tool_seconds"] <= calls * (3 + 15), (row["uid"], attacks[row["uid"]], row["metrics"])
-    assert took < 500
 
 
 async def test_a_pickled_registry_starts_its_own_workers_and_objects_can_ask_for_a_process(tmp_path):
