@@ -61,6 +61,10 @@ class EngineUnavailable(EngineError):
     """The server could not be reached (connection refused, reset, timeout): it may be dead."""
 
 
+class NoServerError(EngineUnavailable):
+    """No healthy engine server is left to route to."""
+
+
 @dataclass
 class SamplingParams:
     """SGLang `sampling_params` (subset the runtime uses; `extra` passes anything else through)."""

@@ -1,7 +1,7 @@
 """Routing one step's generate requests across engine servers: sticky, least-loaded, failure-tolerant.
 
-This module owns *which server* serves a model turn. `Router.session(key)` returns a `RouteSession`,
-the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
+This module owns *which server* serves a model turn. `Router.session(key)` returns a `RouteSession`
+(`engine/route_session.py`), the per-trajectory `GenerateFn` bound into `AgentContext.generate`:
 
 - **Stickiness**: a trajectory's first turn picks the server with the fewest outstanding requests
   (ties: fewest bound trajectories); every later turn goes to the same server while it is healthy, so
@@ -39,34 +39,26 @@ spans, on the session (the scheduler copies them into the trajectory's timeline)
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import anyio
 
-from ..types import TimelineEvent
-from .base import EngineError, EngineUnavailable, GenerateOutput, SamplingParams
+from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle
+from .route_session import RouteSession, SlotOrder
 
 log = logging.getLogger(__name__)
 
 __all__ = ["NoServerError", "PrioritySlots", "RouteSession", "Router", "RouterStats", "SlotOrder"]
 
-SlotOrder = Literal["depth_first", "fifo"]
-
 #: Most abort requests in flight at once when requests are aborted one by one.
 ABORT_CONCURRENCY = 64
-
-
-class NoServerError(EngineUnavailable):
-    """No healthy engine server is left to route to."""
 
 
 @dataclass
@@ -283,203 +275,3 @@ class Router:
             return
         self.stats.removed[url] = reason
         await self.gate.take_out(url, reason)  # logged once by the lifecycle that owns the gate
-
-
-class RouteSession:
-    """The `GenerateFn` of one trajectory: sticky to one server, retried elsewhere if it dies."""
-
-    def __init__(self, router: Router, key: str, *, age: int = 0, slot_order: SlotOrder = "fifo") -> None:
-        self.router = router
-        self.key = key
-        self.age = age  #: the tie-break of the slot order (older sessions first)
-        self.slot_order = slot_order
-        self.url: str | None = None
-        self.in_flight_rid: str | None = None
-        self.in_flight_url: str | None = None  #: the server `in_flight_rid` was sent to
-        self.rids: list[str] = []
-        self.stop_reason: str | None = None
-        self.events: list[TimelineEvent] = []
-        self.servers: list[str] = []  #: every server this trajectory was bound to, in order
-        self.retries = 0
-        self._closed = False
-        self._stop_event: anyio.Event | None = None  #: made by `wait_stopped` (the Ray pool's), not per trajectory
-        self._waits: set[anyio.CancelScope] = set()  #: gate waits a stop must end
-        self._slot_waits: dict[int, tuple[PrioritySlots, list]] = {}  #: queued slot waits a stop withdraws
-        self._idle: anyio.Event | None = None  #: made by `wait_idle` (rarely needed), not per request
-
-    # ------------------------------------------------------------------ control
-    def stop(self, reason: str) -> None:
-        """Later calls return an aborted output without dispatching (the in-flight one is aborted by rid)."""
-        if self.stop_reason is None:
-            self.stop_reason = reason
-            if self._stop_event is not None:
-                self._stop_event.set()
-            for scope in self._waits:
-                scope.cancel()
-            for slots, entry in self._slot_waits.values():
-                slots.withdraw(entry)
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_reason is not None
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[anyio.CancelScope]:
-        """A cancel scope that `stop()` cancels (cancelled at once if stopped already): the agent loop's
-        waits between model turns (tools) run in it, so a stop ends them at once (`AgentContext.interruptible`)."""
-        with anyio.CancelScope() as scope:
-            if self.stopped:
-                scope.cancel()
-            self._waits.add(scope)
-            try:
-                yield scope
-            finally:
-                self._waits.discard(scope)
-
-    async def wait_stopped(self) -> None:
-        """Return once `stop()` was called (at once if it was)."""
-        if self.stop_reason is not None:
-            return
-        if self._stop_event is None:
-            self._stop_event = anyio.Event()
-        await self._stop_event.wait()
-
-    async def wait_idle(self) -> None:
-        """Return once no request of this session is in flight."""
-        if self.in_flight_rid is None:
-            return
-        if self._idle is None:
-            self._idle = anyio.Event()
-        await self._idle.wait()
-
-    def close(self) -> None:
-        """Release the sticky binding (the trajectory has ended)."""
-        if self.url is not None and not self._closed:
-            self.router.unbind(self.url)
-        self._closed = True
-        self.url = None
-
-    # ------------------------------------------------------------------ GenerateFn
-    async def __call__(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput:
-        if self._closed:
-            raise RuntimeError(f"trajectory {self.key}: generate called after its route session was closed")
-        router = self.router
-        attempt = 0
-        while True:
-            if self.stopped:
-                return self._not_dispatched()
-            url = self.current_server()
-            rid = f"{self.key}-{os.urandom(6).hex()}"  # 48 random bits, as uuid4().hex[:12] had
-            router.request_started(url)
-            try:
-                out = await self._dispatch(url, rid, input_ids, sampling_params)
-            except EngineError as e:
-                if not self._retryable(url, e) or attempt >= router.max_retries:
-                    raise
-                attempt += 1
-                self.retries += 1
-                log.debug("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
-                await router.report_failure(url, e)
-                if url not in router.urls:
-                    self._unbind()  # move on to another server
-                continue
-            finally:
-                router.request_ended(url)
-            router.report_success(url)
-            if out is None:  # stopped while waiting for the gate or a slot
-                return self._not_dispatched()
-            return out
-
-    async def _dispatch(self, url: str, rid: str, input_ids: list[int], params: SamplingParams) -> GenerateOutput | None:
-        router = self.router
-        clock = router.clock
-        t0 = clock()
-        # Wait for the gate here (not only inside Lifecycle.generate) so the wait is visible on the
-        # timeline, and so a stop ends the wait (a sleeping engine would otherwise hold it forever).
-        if not router.gate.is_open and not await self._unless_stopped(router.gate.wait_awake):
-            return None
-        slot = router.slots(url)
-        if slot is not None:
-            if self.stopped:
-                return None
-            entry = slot.enqueue((-len(self.rids), self.age) if self.slot_order == "depth_first" else (0, 0))
-            if entry is not None:
-                # Most turns wait here (more trajectories than slots): the wait is withdrawn by `stop()`
-                # rather than run in a cancel scope, whose cost per turn was a visible share of the client's CPU.
-                self._slot_waits[id(entry)] = (slot, entry)
-                try:
-                    if not await slot.wait(entry):
-                        return None
-                finally:
-                    del self._slot_waits[id(entry)]
-        try:
-            t1 = clock()
-            if t1 - t0 > 1e-4:
-                self.events.append(TimelineEvent("wait", t0, t1))
-            if self.stopped:
-                return None
-            self.in_flight_rid, self.in_flight_url = rid, url
-            self.rids.append(rid)
-            router.stats.requests += 1
-            try:
-                return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
-            finally:
-                self.in_flight_rid = self.in_flight_url = None
-                if self._idle is not None:
-                    self._idle.set()
-                    self._idle = None
-                self.events.append(TimelineEvent("generate", t1, clock()))
-        finally:
-            if slot is not None:
-                slot.release()
-
-    async def _unless_stopped(self, wait: Callable[[], Awaitable[None]]) -> bool:
-        """Run `wait()` unless the session is stopped first; True if `wait` completed."""
-        if self.stopped:
-            return False
-        # A cancel scope that `stop()` cancels, not a task group racing `wait` against a stop event.
-        done = False
-        with self.interruptible():
-            await wait()
-            done = True
-        return done
-
-    def current_server(self) -> str:
-        """The server this trajectory is bound to (sticky); picks the least-loaded one if none."""
-        if self.url is not None and self.url not in self.router.urls:
-            self._unbind()  # its server was taken out (by another trajectory's failure)
-        if self.url is None:
-            self.bind_to(self.router.least_loaded())
-        assert self.url is not None
-        return self.url
-
-    def bind_to(self, url: str) -> None:
-        """Bind this trajectory to `url` (sticky from now on); e.g. the server a Ray driver chose for it."""
-        self._unbind()
-        self.url = url
-        self.router.bind(url)
-        self.servers.append(url)
-
-    def _unbind(self) -> None:
-        if self.url is not None:
-            self.router.unbind(self.url)
-            self.url = None
-
-    def _retryable(self, url: str, e: EngineError) -> bool:
-        if isinstance(e, NoServerError):
-            return False
-        if isinstance(e, EngineUnavailable):
-            return True
-        if url not in self.router.urls:  # taken out of rotation meanwhile
-            return True
-        return e.status is not None and e.status >= 500
-
-    def _not_dispatched(self) -> GenerateOutput:
-        return GenerateOutput(
-            output_ids=[],
-            output_logprobs=[],
-            finish_reason={"type": "abort", "message": f"not dispatched: {self.stop_reason}"},
-            weight_version=self.router.gate.weight_version or "",
-            rid="",
-            server_url=self.url or "",
-        )
