@@ -28,7 +28,7 @@ same coroutines). What happens:
   are batched `batch_groups` at a time. When the trainer takes a batch, a group whose oldest first
   token is more than η versions behind the served version is dropped or restarted
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
-- **Weights in flight** (`update_weights`, `update_in_flight`): the gates close (generates wait
+- **Weights in flight** (`update_weights`, `Lifecycle.update_weights_drained`): the gates close (generates wait
   there), every request in flight is aborted and returns with the tokens sampled so far (recorded as
   a turn of the old version), the weights are loaded through the lifecycle (the same payloads as a
   staged wake-up's load, the prefix cache flushed) with nothing running, and the gates reopen on the
@@ -63,43 +63,11 @@ from .stream_types import StreamBatch, StreamConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", "rollout_stream", "update_in_flight"]
+__all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", "rollout_stream"]
 
 #: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
 #: being resumed again: an engine that aborts everything must not loop a trajectory forever.
 MAX_RESUMES = 100
-
-
-async def update_in_flight(lc: Lifecycle, weights: Weights, *, drain_timeout: float = 60.0) -> str | None:
-    """Load `weights` into AWAKE engines without a sleep; returns the version served.
-
-    Close the gates (generates wait there) → abort every request in flight (each returns with the
-    tokens it sampled, a turn of the old version) and wait until the gates count none → load through
-    the lifecycle (`wake_up` while AWAKE: the staged path's load stage, same payloads, the prefix cache
-    flushed) → the lifecycle opens the gates on the new version. Nothing runs during the load, so no
-    request spans two weight sets. SGLang's own `/pause_generation` in `abort` mode does the same
-    engine-side but polls its lock once a second while requests remain (sglang 0.5.17's tokenizer
-    manager), which would cost a second per update; the gates count our requests and say when the
-    last one returned. If the load fails, the gates reopen on the old version and the error is raised.
-    """
-    if lc.state is not EngineState.AWAKE:
-        raise RuntimeError(f"update_in_flight needs AWAKE engines; the lifecycle is {lc.state.value}")
-    # The lifecycle's fleet moves every gate it owns; `wake_up` reopens them (as its in-flight update does).
-    await lc.fleet.close_gates()
-    try:
-        with anyio.fail_after(drain_timeout):
-            while lc.in_flight() > 0:
-                # again while any remain: a request sent just before the close may reach its server after an abort
-                await lc.abort(abort_all=True)
-                with anyio.move_on_after(0.2):
-                    for url in lc.urls:
-                        await lc.gate.wait_settled(url, 0.2)
-        return await lc.wake_up(weights)
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            if lc.state is EngineState.AWAKE:
-                await lc.fleet.open_gates(lc.weight_version)
-        raise
 
 
 class _Group:
@@ -250,7 +218,7 @@ class RolloutStream:
             self._updating = True
             t0 = time.monotonic()
             try:
-                served = await update_in_flight(self.rt.lifecycle, w)
+                served = await self.rt.lifecycle.update_weights_drained(w)
             finally:
                 self._updating = False
                 self._poke()

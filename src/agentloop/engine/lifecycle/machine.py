@@ -226,6 +226,38 @@ class Lifecycle:
             self._set_state(EngineState.SLEEPING)
             await self.fleet.mark_sleeping()
 
+    async def update_weights_drained(self, weights: WeightsLike, *, drain_timeout: float = 60.0) -> str | None:
+        """Load `weights` into AWAKE engines without a sleep, after draining them; returns the version served.
+
+        Close the gates (generates wait there) → abort every request in flight (each returns with the
+        tokens it sampled, a turn of the old version) and wait until the gates count none → load through
+        `wake_up` (while AWAKE: the staged path's load stage, same payloads, the prefix cache flushed),
+        which opens the gates on the new version. Nothing runs during the load, so no request spans two
+        weight sets (the streaming mode resumes the aborted turns as partial rollouts, so every token's
+        version is the one that sampled it; `update_weights_in_flight` keeps them running instead, and a
+        straddling request is labelled with the newer version). SGLang's own `/pause_generation` in
+        `abort` mode polls its lock once a second while requests remain (sglang 0.5.17's tokenizer
+        manager); the gates count our requests and say when the last one returned. If the load fails,
+        the gates reopen on the old version and the error is raised.
+        """
+        if self.state is not EngineState.AWAKE:
+            raise RuntimeError(f"update_weights_drained needs AWAKE engines; the lifecycle is {self.state.value}")
+        await self.fleet.close_gates()
+        try:
+            with anyio.fail_after(drain_timeout):
+                while self.in_flight() > 0:
+                    # again while any remain: a request sent just before the close may reach its server after an abort
+                    await self.abort(abort_all=True)
+                    with anyio.move_on_after(0.2):
+                        for url in self.urls:
+                            await self.gate.wait_settled(url, 0.2)
+            return await self.wake_up(weights)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                if self.state is EngineState.AWAKE:
+                    await self.fleet.open_gates(self.weight_version)
+            raise
+
     async def update_weights_in_flight(self, weights: WeightsLike,
                                        *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:
         """New weights while AWAKE, without draining: the running requests pause, the weights and the
