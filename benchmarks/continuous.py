@@ -70,6 +70,7 @@ from agentloop.agents.replay import _fixed_ids  # noqa: E402  (the replay loop's
 from agentloop.engine.base import SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import Weights  # noqa: E402
 from agentloop.runtime.stream import StreamConfig, rollout_stream  # noqa: E402
+from agentloop.scheduler.gc_scope import frozen_heap  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 MODES = ("per_step", "over_admission", "streaming", "bare_refill")
@@ -228,7 +229,10 @@ async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: Gro
             # the stream's close (stopping what runs, the one sleep) is after the last batch: not in the wall
             run["wall_to_last_batch_s"] = r4(time.monotonic() - t0)
         run["stage_seconds"] = r4(s.t_awake - t0 if s.t_awake else 0.0) + sum(m["update_seconds"])
-        run.update(update_seconds_mean=r4(sum(m["update_seconds"]) / max(1, len(m["update_seconds"]))),
+        ups = max(1, len(m["update_seconds"]))
+        run.update(update_seconds_mean=r4(sum(m["update_seconds"]) / ups),
+                   update_load_seconds_mean=r4(sum(m["update_load_seconds"]) / ups),
+                   resumed_per_update=r4(m["trajectories_resumed"] / ups),
                    trajectories_resumed=m["trajectories_resumed"], groups_dropped_stale=m["groups_dropped_stale"],
                    groups_restarted_stale=m["groups_restarted_stale"], max_buffered_groups=m["max_buffered_groups"],
                    generations_outside_awake=m["generations_outside_awake"])
@@ -290,13 +294,15 @@ async def bare_refill(rt: Runtime, engine: Any, args: argparse.Namespace, src: G
         await lc.wake_up(weights())
         run["stage_seconds"] = r4(time.monotonic() - t0)
         try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(active):
-                    tg.start_soon(worker)
-                with anyio.move_on_after(max(0.0, args.run_limit - (time.monotonic() - t0))):
-                    await finished.wait()
-                run["wall_to_last_batch_s"] = r4(time.monotonic() - t0)
-                tg.cancel_scope.cancel()  # the trajectories still running are not part of any step
+            # the same heap freeze as the other modes' (scheduler.gc_freeze), for the whole run
+            with frozen_heap(args.gc_freeze):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(active):
+                        tg.start_soon(worker)
+                    with anyio.move_on_after(max(0.0, args.run_limit - (time.monotonic() - t0))):
+                        await finished.wait()
+                    run["wall_to_last_batch_s"] = r4(time.monotonic() - t0)
+                    tg.cancel_scope.cancel()  # the trajectories still running are not part of any step
             run["staleness_histogram"] = {0: run["trained_tokens"]}  # one version, never updated
         finally:
             with anyio.CancelScope(shield=True):
@@ -340,7 +346,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
         def weights() -> Weights:
             return Weights(state_dict=sd, version=f"w{next(counter)}")
 
-        cfg = runtime_config(engine, args, concurrency=max(args.active), n=n)
+        cfg = runtime_config(engine, args, concurrency=max(args.active), n=n, gc_freeze=args.gc_freeze)
         async with Runtime(cfg) as rt, left_awake(rt, weights):
             await rt.step([Sample(uid=f"warm{i}", messages=[], agent="replay",
                                   extra={"replay": {"prompt_tokens": 8, "turns": t}})
@@ -435,13 +441,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--deadline", type=float, default=1e9, help="seconds for the whole benchmark; runs that would "
                    "start later are skipped and listed")
     w.add_argument("--gpu-scale", action="store_true", help="the issue's H200 workload: 4 turns, 256-token prompts, "
-                   "lognormal(64, sigma 1) turns up to 1024, 32-token tool results, B=16 groups x 4, 256/768/1536 "
-                   "in flight, 2 s and 0.5 s tools")
+                   "lognormal(64, sigma 1) turns up to 1024, 32-token tool results, B=64 groups x 4 (the issue's "
+                   "step of 256 trajectories), 768/1536 in flight, 2 s and 0.5 s tools")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="every mode runs with the client heap frozen while it generates (scheduler.gc_freeze: per "
+                   "step, over the stream's life, over the bare client's run), so full collections walk what the run "
+                   "allocated, not the trainer-side heap (torch, the weights' model) built before it")
     args = p.parse_args(argv)
     if args.gpu_scale:  # the issue's workload as defaults: flags given on the command line still win
         p.set_defaults(turns=4, prompt_tokens=256, gen_median=64.0, gen_sigma=1.0, gen_max=1024, tool_result_median=32.0,
-                       batch_groups=16, group_size=4, active=[768, 1536, 256], tool_latency_means=[2.0, 0.5])
+                       batch_groups=64, group_size=4, active=[768, 1536], tool_latency_means=[2.0, 0.5])
         args = p.parse_args(argv)
     if args.smoke:
         args.batch_groups, args.group_size, args.steps, args.active, args.turns = 2, 2, 3, [6], 2

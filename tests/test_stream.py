@@ -189,3 +189,25 @@ def test_sync_stream_and_errors() -> None:
         StreamConfig(batch_groups=1, active=0)
     with pytest.raises(ValueError, match="stale_policy"):
         StreamConfig(batch_groups=1, active=1, stale_policy="keep")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", [False, True])
+async def test_gc_freeze_holds_for_the_stream_and_is_undone_at_close(flag: bool) -> None:
+    """`scheduler.gc_freeze` freezes the heap once for the stream's life (not per trajectory) and unfreezes at
+    close; the update breakdown names the load's share of every update."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng, gc_freeze=flag)
+    counts = []
+    async with rt:
+        async with rollout_stream(rt, feed(6), StreamConfig(batch_groups=2, active=4)) as s:
+            async for batch in s:
+                counts.append(gc.get_freeze_count())
+                await s.update_weights({"w": batch.index})
+            m = s.metrics
+    assert gc.get_freeze_count() == 0
+    assert len(counts) == 3 and all((c > 0) == flag for c in counts)
+    assert len(m["update_load_seconds"]) == len(m["update_seconds"]) == 3
+    assert all(0 <= load <= total for load, total in zip(m["update_load_seconds"], m["update_seconds"]))

@@ -7,8 +7,8 @@
 # batch CONT_MAX_BS=256, --mem-fraction-static 0.5: the server) serves, in this order (CONT_PARTS,
 # default "continuous long_tail"; continuous leaves long_tail its CONT_LT_LIMIT when both are wanted):
 #   1. continuous  benchmarks/continuous.py --gpu-scale: per_step vs over_admission vs streaming vs
-#                  bare_refill, 10 steps of 16 groups x 4, the same workload; 2 s tools first at
-#                  768 / 1536 / 256 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (120 s),
+#                  bare_refill, 10 steps of 64 groups x 4 (the step of 256), the same workload; 2 s tools first at
+#                  768 / 1536 in flight, then 0.5 s; per_step gets CONT_PER_STEP_LIMIT (120 s),
 #                  every other run CONT_RUN_LIMIT (60 s); runs the budget cannot fit are skipped
 #                  and listed in the JSON ("skipped")
 #   2. long_tail   benchmarks/long_tail.py at the scale: 64 groups x 4 per step, --oversample 3

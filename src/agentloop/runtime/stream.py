@@ -56,6 +56,7 @@ from ..batch import collate
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
+from ..scheduler.gc_scope import frozen_heap
 from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import FINISHED_OK, Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
@@ -139,6 +140,9 @@ class RolloutStream:
             "groups_admitted", "groups_accepted", "groups_rejected", "groups_failed", "groups_dropped_stale",
             "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
         self.update_seconds: list[float] = []
+        #: Per update, the seconds its weight load took (the rest of `update_seconds` is the drain: closing
+        #: the gates, aborting what runs and waiting for it to return).
+        self.update_load_seconds: list[float] = []
         self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
         self.t_awake: float | None = None
 
@@ -216,13 +220,15 @@ class RolloutStream:
             w = dataclasses.replace(w, version=f"stream-{self.counts['updates'] + 1}")
         async with self._update_lock:
             self._updating = True
-            t0 = time.monotonic()
+            lc: Lifecycle = self.rt.lifecycle
+            t0, mark = time.monotonic(), lc.record_mark()
             try:
-                served = await self.rt.lifecycle.update_weights_drained(w)
+                served = await lc.update_weights_drained(w)
             finally:
                 self._updating = False
                 self._poke()
             self.update_seconds.append(time.monotonic() - t0)
+            self.update_load_seconds.append(sum(r.seconds for r in lc.records_since(mark)))
             self.versions.observe(served)
             self.counts["updates"] += 1
             self._poke()
@@ -243,7 +249,8 @@ class RolloutStream:
     def metrics(self) -> dict[str, Any]:
         return {**self.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
-                "update_seconds": list(self.update_seconds), "weight_version": self.weight_version,
+                "update_seconds": list(self.update_seconds), "update_load_seconds": list(self.update_load_seconds),
+                "weight_version": self.weight_version,
                 "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
 
     # ------------------------------------------------------------------ admission
@@ -425,15 +432,19 @@ async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any
     if not runtime.started:
         await runtime.start()
     stream = RolloutStream(runtime, feeder, config, pad_to=pad_to, overrides=overrides)
+    # `scheduler.gc_freeze` over the stream's whole life (a step freezes for its own): the collections
+    # then walk what the stream allocated, not the trainer's heap, which at hundreds of trajectories in
+    # flight made full collections stall the event loop for ~0.5 s each on the H200 host.
     async with runtime._step_lock:  # no step runs while the stream holds the engines awake
         try:
-            async with anyio.create_task_group() as tg:
-                await stream._open(weights, tg)
-                try:
-                    yield stream
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await stream._close()
+            with frozen_heap(stream.scfg.gc_freeze):
+                async with anyio.create_task_group() as tg:
+                    await stream._open(weights, tg)
+                    try:
+                        yield stream
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await stream._close()
             stream._collect_unconsumed()
         finally:
             with anyio.CancelScope(shield=True):
