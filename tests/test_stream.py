@@ -5,6 +5,7 @@ The CPU-engine runs (exact per-token versions across 20 in-flight updates) are i
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -211,3 +212,23 @@ async def test_gc_freeze_holds_for_the_stream_and_is_undone_at_close(flag: bool)
     assert len(counts) == 3 and all((c > 0) == flag for c in counts)
     assert len(m["update_load_seconds"]) == len(m["update_seconds"]) == 3
     assert all(0 <= load <= total for load, total in zip(m["update_load_seconds"], m["update_seconds"]))
+
+
+async def test_second_stream_on_a_runtime_does_not_reuse_version_names() -> None:
+    """Weights without a version get a name the lifecycle never gave: a second stream's updates of an
+    in-place-updated dict must not reuse the first stream's names (the version log keeps a name's first
+    place, so a reused one made the second stream's fresh tokens count 30+ versions old on the H200)."""
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    live: dict[str, Any] = {"w": 0}
+    hists, served = [], []
+    async with rt:
+        for run in range(2):
+            prompts = [dataclasses.replace(x, uid=f"r{run}-{x.uid}") for x in feed(8)]
+            async with rollout_stream(rt, prompts, StreamConfig(batch_groups=2, active=4, max_staleness=1), weights=live) as s:
+                async for batch in s:
+                    hists.append(batch.staleness)
+                    live["w"] += 1
+                    served.append(await s.update_weights(live))
+    assert len(served) == len(set(served)) == 8
+    assert all(max(h) <= 1 for h in hists), hists

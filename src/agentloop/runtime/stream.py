@@ -209,15 +209,17 @@ class RolloutStream:
 
     async def update_weights(self, weights: Any, version: str | None = None) -> str | None:
         """Apply new weights in flight (see the module docstring); returns the version now served.
-        Without a `version` (and none on a `Weights`), one is made up (`stream-<k>`), so that a state
-        dict the trainer updates in place is still loaded."""
+        Without a `version` (and none on a `Weights`), the lifecycle makes up one it never gave before,
+        so that a state dict the trainer updates in place is still loaded, and a second stream on the
+        same runtime does not reuse the first one's names (the version log orders versions by first
+        sight: a reused name would make new tokens look many versions old)."""
         w = Weights.coerce(weights)
         if w is None:
             raise ValueError("update_weights needs weights (a state dict, a path or Weights), got None")
         if version is not None:
             w = dataclasses.replace(w, version=version)
         elif w.version is None:
-            w = dataclasses.replace(w, version=f"stream-{self.counts['updates'] + 1}")
+            w = dataclasses.replace(w, version=self.rt.lifecycle.fresh_version())
         async with self._update_lock:
             self._updating = True
             lc: Lifecycle = self.rt.lifecycle

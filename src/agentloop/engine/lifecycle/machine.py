@@ -181,7 +181,11 @@ class Lifecycle:
         self._set_state(EngineState.AWAKE)
 
     def _next_version(self, w: Weights) -> str:
-        return w.version or f"v{next(self._version_counter)}"
+        return w.version or self.fresh_version()
+
+    def fresh_version(self) -> str:
+        """A version name this lifecycle has not given before (`v<k>`), for weights that come without one."""
+        return f"v{next(self._version_counter)}"
 
     async def _load_weights(self, w: Weights | None) -> None:
         if w is None:
