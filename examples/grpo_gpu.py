@@ -218,32 +218,47 @@ def sampled_logprobs(model: torch.nn.Module, batch: RolloutBatch, rows: torch.Te
     return logp.gather(-1, batch["responses"][rows].to(device).unsqueeze(-1)).squeeze(-1)
 
 
+#: Dual-clip bound for negative advantages (Ye et al. 2020; verl's `clip_ratio_c`): an off-policy token
+#: (a stale one of the streaming mode) whose ratio is huge would otherwise make the loss, and the
+#: gradient norm, infinite; `clip_grad_norm_` then scales by 1/inf and writes NaN into every weight.
+CLIP_RATIO_C = 3.0
+
+
 def grpo_train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: RolloutBatch, device: torch.device,
                     *, clip: float = 0.2) -> dict[str, Any]:
     """One GRPO update on the whole batch (one micro-batch: its activations are what needs the GPU
-    memory SGLang released). Returns loss, grad norm and the trainer-vs-engine logprob agreement."""
+    memory SGLang released). Returns loss, grad norm and the trainer-vs-engine logprob agreement.
+    Tokens whose rollout logprob is not finite are left out (counted); an update whose gradient
+    norm is not finite is skipped (counted), so the weights the engine loads next stay finite."""
     rows = torch.tensor([i for i, s in enumerate(batch["statuses"]) if s in ("completed", "truncated")], dtype=torch.long)
     if len(rows) == 0:
         return {"loss": 0.0, "trained_rows": 0}
     adv = group_advantages(batch["rewards"][rows], [batch["group_ids"][i] for i in rows.tolist()]).to(device)
-    mask = batch["response_mask"][rows].to(device).bool()
     old = batch["rollout_log_probs"][rows].to(device)
+    sampled = batch["response_mask"][rows].to(device).bool()
+    mask = sampled & torch.isfinite(old)
     model.train()
     new = sampled_logprobs(model, batch, rows, device)
     diff = (new.detach() - old).abs()[mask]
-    log_ratio = torch.where(mask, new - old, torch.zeros_like(new))
+    # clamped before exp: e^20 is already far outside the clip range, and exp must not overflow
+    log_ratio = torch.where(mask, (new - old).clamp(-20.0, 20.0), torch.zeros_like(new))
     ratio = torch.exp(log_ratio)
     a = adv.unsqueeze(1)
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+    surrogate = torch.where(a < 0, torch.maximum(surrogate, CLIP_RATIO_C * a), surrogate)
     loss = -torch.where(mask, surrogate, torch.zeros_like(surrogate)).sum() / mask.sum().clamp(min=1)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    finite_update = bool(torch.isfinite(grad_norm))
+    if finite_update:
+        opt.step()
     opt.zero_grad(set_to_none=True)  # gradients are not kept through the next rollout
     return {
         "loss": float(loss.detach()),
         "grad_norm": float(grad_norm),
+        "skipped_nonfinite_update": not finite_update,
+        "nonfinite_rollout_logprobs": int((sampled & ~torch.isfinite(old)).sum()),
         "trained_rows": int(len(rows)),
         "trained_tokens": int(mask.sum()),
         "batch_shape": list(batch["input_ids"].shape),

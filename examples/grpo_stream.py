@@ -99,7 +99,9 @@ async def one_run(rt: Runtime, mode: str, seed: int, args: argparse.Namespace, m
             torch.cuda.synchronize()
         run["steps"].append({"step": step, "reward_mean": reward_of(trajs), "wall_s": round(time.monotonic() - t0, 3),
                              "staleness": {str(k): v for k, v in staleness.items()},
-                             **{k: train.get(k) for k in ("loss", "trained_tokens", "clipped_fraction")}})
+                             **{k: train.get(k) for k in ("loss", "trained_tokens", "clipped_fraction", "grad_norm",
+                                                       "logprob_abs_diff_max", "skipped_nonfinite_update",
+                                                       "nonfinite_rollout_logprobs")}})
         s = run["steps"][-1]
         print(f"{mode:6s} run {seed} step {step:3d}: reward {s['reward_mean']:.3f} at {s['wall_s']:7.2f}s "
               f"staleness {s['staleness']}", flush=True)
