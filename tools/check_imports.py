@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"output"},  # data out: the output folder, summaries and plots (they read the lifecycle's records)
     {"engine"},  # engine access and clients, the CPU engine
     {"batch", "models", "data", "tasks"},  # trajectories -> tensors; shipped models, data; task generators
-    {"types", "registry", "yaml_strict", "input_budget", "__init__"},  # the data contracts; leaf utilities
+    {"types", "registry", "yaml_strict", "input_budget", "allocator", "__init__"},  # the data contracts; leaf utilities
 ]
 
 

@@ -5,7 +5,7 @@ cli/commands → integrations → distributed (Ray) → runtime (the step, one a
 backends, streaming) → scheduler → config → endpoint (OpenAI endpoint + `openai` loop) → agents →
 rewards/group_filters/dataset → tools/chat → output → engine (client protocol, gate, router, lifecycle,
 memory mark, SGLang client, CPU reference engine) → batch/models/data/tasks → types/registry/yaml_strict/
-input_budget. docs/architecture.md walks through them.
+input_budget/allocator. docs/architecture.md walks through them.
 """
 
 __version__ = "0.1.0"

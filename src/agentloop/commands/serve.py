@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     """
     from ..engine.local import server
 
+    # No `agentloop.allocator.tune_allocator()` here, on purpose: pinning glibc's mmap threshold about
+    # halved the CPU engine's throughput (benchmarks/serve_threads.py: 5113 / 4850 -> 2939 / 2659 tokens/s,
+    # measured earlier, not committed); see the allocator's module docstring.
     code = server.run(args)
     logging.shutdown()
     sys.stdout.flush()

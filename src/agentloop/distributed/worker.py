@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import anyio
 
+from ..allocator import tune_allocator
 from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.gate import Gate
 from ..engine.router import RouteSession, Router
@@ -92,6 +93,7 @@ class RolloutWorker:
         interaction: Any = None,
         tools: Any = None,
     ) -> None:
+        tune_allocator()  # this actor's process holds the trajectories' big buffers (`agentloop.allocator`)
         self.index = index
         self.config = RuntimeConfig.model_validate(config)
         self.clients = [make_client(u, self.config.engine) for u in urls]

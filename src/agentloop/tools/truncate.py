@@ -45,6 +45,22 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "replace"))
 
 
+#: Characters encoded at a time when only the UTF-8 length of a long stretch is wanted (<= 32 KiB of bytes).
+_COUNT_CHUNK = 8192
+
+
+def _utf8_len_of(text: str, start: int, stop: int) -> int:
+    """`_utf8_len(text[start:stop])` without copying or encoding the stretch whole (it may be most of a
+    10 MB tool output that is only counted): ASCII text is one byte a character, other text is encoded
+    a chunk at a time (each character on its own, so the chunks' lengths add up exactly)."""
+    if start >= stop:
+        return 0
+    if text.isascii():
+        return stop - start
+    return sum(len(text[i:min(i + _COUNT_CHUNK, stop)].encode("utf-8", "replace"))
+               for i in range(start, stop, _COUNT_CHUNK))
+
+
 def _head_bytes(text: str, limit: int) -> str:
     """The longest prefix of `text` of at most `limit` UTF-8 bytes (never half a character)."""
     # A character is at least one byte, so `limit` characters hold the answer: never encode more.
@@ -103,23 +119,28 @@ class BoundedText:
     def feed(self, piece: str) -> None:
         if self.closed:
             raise OutputClosed("the call was abandoned: its output is no longer read")
+        # Only what is kept is copied or encoded: the rest of `piece` (up to all of a 10 MB output) is
+        # read in place, `start` being where the part not taken by the head begins, and only counted.
         with self._lock:
+            start, end = 0, len(piece)
             room = self.head_cap - self._head_bytes
             if room > 0:
                 kept = _head_bytes(piece, room)
                 self._head.append(kept)
                 self._head_bytes += _utf8_len(kept)
-                piece = piece[len(kept):]
-            if not piece:
+                start = len(kept)
+            if start >= end:
                 return
             if self.tail_cap == 0:
-                self.dropped += _utf8_len(piece)
+                self.dropped += _utf8_len_of(piece, start, end)
                 return
-            if len(piece) >= self.tail_cap:  # the piece alone fills the tail: what was there goes
-                kept = _tail_bytes(piece, self.tail_cap)
-                self.dropped += self._tail_bytes + _utf8_len(piece[: len(piece) - len(kept)])
+            if end - start >= self.tail_cap:  # the rest alone fills the tail: what was there goes
+                # At most tail_cap bytes are kept, so at most the last tail_cap characters.
+                kept = _tail_bytes(piece[end - self.tail_cap:], self.tail_cap)
+                self.dropped += self._tail_bytes + _utf8_len_of(piece, start, end - len(kept))
                 self._tail, self._tail_bytes = [kept], _utf8_len(kept)
                 return
+            piece = piece[start:]  # shorter than tail_cap characters
             self._tail.append(piece)
             self._tail_bytes += _utf8_len(piece)
             while self._tail_bytes > self.tail_cap:

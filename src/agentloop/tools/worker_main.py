@@ -195,6 +195,9 @@ def _die_with_parent(parent: int, pdeathsig: bool) -> None:
 def main(fd: int, parent: int, pdeathsig: bool = True) -> None:
     """Entry point (see the module docstring); `fd` is this side of the socket pair."""
     _die_with_parent(parent, pdeathsig)
+    from ..allocator import tune_allocator
+
+    tune_allocator()  # a tool's big outputs go back to the system once sent (`agentloop.allocator`)
     # A tool's prints must not mix into the runtime's stdout (it may be a JSON stream): they go to stderr.
     os.dup2(2, 1)
     sys.stdout = sys.stderr
