@@ -37,19 +37,7 @@ class Reference(BoundedText):
                 return
             self._tail.append(piece)
             self._tail_bytes += _utf8_len(piece)
-            while self._tail_bytes > self.tail_cap:
-                over = self._tail_bytes - self.tail_cap
-                first = self._tail[0]
-                size = _utf8_len(first)
-                if size <= over:
-                    self._tail.pop(0)
-                    self._tail_bytes -= size
-                    self.dropped += size
-                else:
-                    kept = _tail_bytes(first, size - over)
-                    self._tail[0] = kept
-                    self._tail_bytes -= size - _utf8_len(kept)
-                    self.dropped += size - _utf8_len(kept)
+            self._trim_tail()
 
 
 def state(b: BoundedText) -> tuple:

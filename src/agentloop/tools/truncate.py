@@ -143,19 +143,23 @@ class BoundedText:
             piece = piece[start:]  # shorter than tail_cap characters
             self._tail.append(piece)
             self._tail_bytes += _utf8_len(piece)
-            while self._tail_bytes > self.tail_cap:
-                over = self._tail_bytes - self.tail_cap
-                first = self._tail[0]
-                size = _utf8_len(first)
-                if size <= over:
-                    self._tail.pop(0)
-                    self._tail_bytes -= size
-                    self.dropped += size
-                else:
-                    kept = _tail_bytes(first, size - over)
-                    self._tail[0] = kept
-                    self._tail_bytes -= size - _utf8_len(kept)
-                    self.dropped += size - _utf8_len(kept)
+            self._trim_tail()
+
+    def _trim_tail(self) -> None:
+        """Drop (and count) the oldest tail bytes beyond `tail_cap`; the caller holds the lock."""
+        while self._tail_bytes > self.tail_cap:
+            over = self._tail_bytes - self.tail_cap
+            first = self._tail[0]
+            size = _utf8_len(first)
+            if size <= over:
+                self._tail.pop(0)
+                self._tail_bytes -= size
+                self.dropped += size
+            else:
+                kept = _tail_bytes(first, size - over)
+                self._tail[0] = kept
+                self._tail_bytes -= size - _utf8_len(kept)
+                self.dropped += size - _utf8_len(kept)
 
     def text(self) -> str:
         """What was kept, with the marker where output was dropped."""
