@@ -591,6 +591,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agentloop.allocator import tune_allocator
+
+    tune_allocator()  # this process is the runtime's owner, as `agentloop bench soak`'s is (agentloop.cli)
     return run_benchmark("soak", argv, parse_args, DEFINITIONS, measure, plot, checkpoints=True)
 
 

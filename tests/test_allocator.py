@@ -120,17 +120,41 @@ def test_both_knobs_left_to_the_operator_means_nothing_applied():
 
 
 # ------------------------------------------------------------------ where it is called
-def test_runtime_start_tunes_the_allocator(monkeypatch):
-    import agentloop.runtime.core as core
+def test_runtime_start_leaves_the_allocator_to_the_process_owner(monkeypatch):
+    """A trainer embeds the runtime in its own process: pinned thresholds slowed its CPU torch work."""
+    import agentloop.allocator as alloc
     from agentloop.runtime import Runtime
 
     from test_scheduler_support import FakeEngine
 
-    calls = []
-    monkeypatch.setattr(core, "tune_allocator", lambda: calls.append(1))
+    calls = []  # below tune_allocator, so a call by any import path is seen
+    monkeypatch.setattr(alloc, "_done", None)
+    monkeypatch.setattr(alloc, "_tune", lambda env: calls.append(1) or alloc.AllocatorTuning(False, "test"))
     tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=2)
     with Runtime(clients=[FakeEngine("http://a")], tokenizer=tok, tools=object()):
-        assert calls == [1]
+        assert calls == []
+
+
+@pytest.mark.parametrize("command, tuned", [("rollout", True), ("bench", True), ("serve", False), ("config", False)])
+def test_the_cli_tunes_the_allocator_for_its_runtime_commands(monkeypatch, command, tuned):
+    import agentloop.allocator as alloc
+    import agentloop.cli as cli
+
+    calls = []
+    monkeypatch.setattr(alloc, "tune_allocator", lambda: calls.append(1))
+    module = types.SimpleNamespace(run=lambda args: 0)
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: module)
+    monkeypatch.setattr(cli, "build_parser", lambda: _parser_with(command))
+    assert cli.main([command]) == 0
+    assert calls == ([1] if tuned else [])
+
+
+def _parser_with(command):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_subparsers(dest="command").add_parser(command)
+    return p
 
 
 def test_the_ray_rollout_worker_tunes_the_allocator(monkeypatch):

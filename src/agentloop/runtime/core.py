@@ -40,7 +40,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, S
 
 import anyio
 
-from ..allocator import tune_allocator
 from ..batch import CollateError, collate
 from ..config.settings import RuntimeConfig
 from ..engine.base import EngineClient
@@ -133,8 +132,6 @@ class Runtime(SyncFacade):
         """Start or attach engines, load the tokenizer and tools, put the engines to sleep."""
         if self.started:
             return self
-        # Big transient buffers (tool outputs, request bodies) go back to the system (`agentloop.allocator`).
-        tune_allocator()
         ecfg = self.config.engine
         if self.tools is None:  # a bad tools file is refused before any engine starts
             self.tools = load_tools(self.config)
