@@ -58,8 +58,9 @@ from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
 from ..scheduler.gc_scope import frozen_heap
 from ..scheduler.staleness import VersionLog, token_staleness
-from ..types import FINISHED_OK, Sample, Trajectory, training_rows
+from ..types import Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .stream_groups import StreamGroup, StreamGroups
 from .stream_types import StreamBatch, StreamConfig
 
 log = logging.getLogger(__name__)
@@ -69,22 +70,6 @@ __all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", 
 #: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
 #: being resumed again: an engine that aborts everything must not loop a trajectory forever.
 MAX_RESUMES = 100
-
-
-class _Group:
-    """One prompt's members while they run."""
-
-    def __init__(self, sample: Sample, members: list[Sample]) -> None:
-        self.sample = sample
-        self.members = members
-        self.results: dict[int, Trajectory] = {}
-
-    @property
-    def complete(self) -> bool:
-        return len(self.results) == len(self.members)
-
-    def trajectories(self) -> list[Trajectory]:
-        return [self.results[i] for i in range(len(self.members))]
 
 
 class RolloutStream:
@@ -104,7 +89,8 @@ class RolloutStream:
         # (groups are assembled and filtered here, across runs).
         self._traj_cfg = self.scfg.model_copy(update={"target_groups": None, "group_filter": None, "gc_freeze": False,
                                                       "group_budget": None, "active": None, "max_staleness": None})
-        self._filter = get_group_filter(self.scfg.group_filter) if self.scfg.group_filter else None
+        self.groups = StreamGroups(get_group_filter(self.scfg.group_filter) if self.scfg.group_filter else None,
+                                   self.scfg.group_filter)
         self._sync_feed: Iterator[Any] | None = None
         self._async_feed: AsyncIterator[Any] | None = None
         if isinstance(feeder, AsyncIterable):
@@ -118,9 +104,7 @@ class RolloutStream:
         self.versions: VersionLog = runtime.scheduler.versions
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed = anyio.Event()
-        self._groups: dict[str, _Group] = {}
         self._originals: dict[str, Sample] = {}  # every admitted prompt by uid (uids are unique across the stream)
-        self._ready: list[list[Trajectory]] = []  # accepted groups not yet batched
         self._restart: list[Sample] = []  # prompts to admit again (stale_policy "restart")
         self._send, self._receive = anyio.create_memory_object_stream[list[list[Trajectory]]](config.max_queued_batches)
         self._sending = False  # the batcher holds a full batch the queue has no room for
@@ -137,8 +121,7 @@ class RolloutStream:
         #: Complete, accepted groups the trainer had not taken when the stream closed (nothing is lost).
         self.unconsumed: list[list[Trajectory]] = []
         self.counts: dict[str, int] = dict.fromkeys((
-            "groups_admitted", "groups_accepted", "groups_rejected", "groups_failed", "groups_dropped_stale",
-            "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
+            "groups_admitted", "groups_dropped_stale", "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
         self.update_seconds: list[float] = []
         #: Per update, the seconds its weight load took (the rest of `update_seconds` is the drain: closing
         #: the gates, aborting what runs and waiting for it to return).
@@ -179,14 +162,9 @@ class RolloutStream:
                 self.unconsumed.extend(self._receive.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-        self.unconsumed.extend(self._ready)
-        self._ready = []
-        # Finished members of groups still incomplete go with their unfinished mates, as a step's carry-over
-        # does: a later step runs only the unfinished ones and completes the group.
-        for group in self._groups.values():
-            for i, traj in sorted(group.results.items()):
-                self.leftover.append(dataclasses.replace(group.members[i], resume_from=traj))
-        self._groups = {}
+        ready, partials = self.groups.close()
+        self.unconsumed.extend(ready)
+        self.leftover.extend(partials)
 
     # ------------------------------------------------------------------ the trainer's side
     def __aiter__(self) -> "RolloutStream":
@@ -245,11 +223,11 @@ class RolloutStream:
         """Complete groups waiting for the trainer: not yet batched, in a batch the queue has no room
         for, or in the queue."""
         queued = self._send.statistics().current_buffer_used + (1 if self._sending else 0)
-        return len(self._ready) + queued * self.config.batch_groups
+        return len(self.groups.ready) + queued * self.config.batch_groups
 
     @property
     def metrics(self) -> dict[str, Any]:
-        return {**self.counts, "in_flight": self.in_flight, "batches": self.batches,
+        return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
                 "update_seconds": list(self.update_seconds), "update_load_seconds": list(self.update_load_seconds),
                 "weight_version": self.weight_version,
@@ -301,8 +279,7 @@ class RolloutStream:
                 raise ValueError(f"rollout_stream: the feeder gave prompt uid {sample.uid!r} twice (uids must be unique)")
             self._originals[sample.uid] = sample
             members = expand_samples([sample], n)
-            group = _Group(sample, members)
-            self._groups[sample.uid] = group
+            group = self.groups.open(sample, members)
             self.counts["groups_admitted"] += 1
             self.in_flight += len(members)
             assert self._tg is not None
@@ -321,7 +298,7 @@ class RolloutStream:
         return sample
 
     # ------------------------------------------------------------------ one trajectory
-    async def _run_member(self, group: _Group, i: int, job: Sample) -> None:
+    async def _run_member(self, group: StreamGroup, i: int, job: Sample) -> None:
         traj: Trajectory | None = None
         try:
             for _ in range(MAX_RESUMES + 1):
@@ -344,43 +321,21 @@ class RolloutStream:
         finally:
             self.in_flight -= 1
             self._poke()
-        group.results[i] = traj
         self.counts["trajectories_finished"] += 1
-        if group.complete:
-            self._group_done(group)
-
-    def _group_done(self, group: _Group) -> None:
-        del self._groups[group.sample.uid]
-        trajs = group.trajectories()
-        if any(t.status not in FINISHED_OK for t in trajs):
-            self.counts["groups_failed"] += 1
-            log.info("group %s dropped: a member failed (%s)", group.sample.uid,
-                     next(t.error for t in trajs if t.status not in FINISHED_OK))
-        elif self._filter is not None and not self._accepts(trajs):
-            self.counts["groups_rejected"] += 1
-        else:
-            self.counts["groups_accepted"] += 1
-            self._ready.append(trajs)
+        if self.groups.finish(group, i, traj):
             self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
         self._poke()
-
-    def _accepts(self, trajs: list[Trajectory]) -> bool:
-        try:
-            return bool(self._filter(trajs))  # type: ignore[misc]
-        except Exception as e:  # the filter's fault must not lose the data
-            log.error("group filter %r failed on group %s (group kept): %s", self.scfg.group_filter, trajs[0].group_id, e)
-            return True
 
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:
         B = self.config.batch_groups
         with self._send:
             while True:
-                while len(self._ready) < B and not (self._done and self._ready):
+                while len(self.groups.ready) < B and not (self._done and self.groups.ready):
                     if self._done or self._error is not None:
                         return
                     await self._wait_change()
-                groups, self._ready = self._ready[:B], self._ready[B:]
+                groups = self.groups.take(B)
                 self._sending = True
                 try:
                     await self._send.send(groups)  # blocks while the queue is full: backpressure
