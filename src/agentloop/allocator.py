@@ -13,14 +13,14 @@ buffer mmapped, `M_TRIM_THRESHOLD` = 128 KiB gives free memory at the heap's top
 Called where agentloop owns the process and runs no model in it: the CLI's `rollout` and `bench`
 commands (`agentloop.cli`), the tool worker process (`tools.worker_main.main`) and the Ray rollout
 worker actor (`distributed.worker.RolloutWorker`). Not by `Runtime.start`: a trainer that embeds the
-runtime owns its process, and pinned thresholds slow torch's CPU work there (a 4-layer Qwen2 of hidden
-256, batch 8 × 256, one thread: forward + backward + AdamW 1.9–2.2 s per iteration with glibc's
-defaults, 2.8–3.3 s tuned, on this project's 2-core machine); such a trainer may call
-`tune_allocator()` itself when its big buffers are on the GPU. Not by `agentloop serve` (the CPU
-engine's server) for the same reason: measured earlier with `benchmarks/serve_threads.py`,
-pinning the threshold about halved the engine's throughput (5113 / 4850 → 2939 / 2659 tokens/s; that
-run's JSON was not committed). The likely cause, not traced: a forward pass allocates and frees tensors
-of hundreds of KiB to MiBs, which then become an `mmap`/`munmap` pair with fresh page faults each time.
+runtime owns its process, and pinned thresholds slow torch's CPU work there
+(`benchmarks/allocator_training.py`, `benchmarks/results/allocator_training_cpu.json`: a small Qwen2's
+training iterations about 1.36× slower); such a trainer may call `tune_allocator()` itself when its big
+buffers are on the GPU. Not by `agentloop serve` (the CPU engine's server), whose forward passes run in
+its own process for the same reason (an earlier `benchmarks/serve_threads.py` run, not committed, saw
+its tokens/s drop by about half). The likely cause, not traced: a forward or backward pass allocates
+and frees tensors of hundreds of KiB to MiBs, which then become an `mmap`/`munmap` pair with fresh page
+faults each time.
 
 The operator wins: a threshold set through glibc's environment (`MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TRIM_THRESHOLD_`, note the trailing underscore, or `GLIBC_TUNABLES` with

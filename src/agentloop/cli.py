@@ -22,8 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 #: The commands whose process holds trajectories, tool outputs and request bodies, and no model: their
-#: big transient buffers go back to the system (`agentloop.allocator`). Not `serve`: a model's forward
-#: passes in the same process ran about half as fast with the thresholds pinned.
+#: big transient buffers go back to the system (`agentloop.allocator`). Not `serve`: its model's forward
+#: passes run in its process, and pinned thresholds slow torch's CPU work (the allocator's docstring).
 TUNED_COMMANDS = frozenset({"rollout", "bench"})
 
 

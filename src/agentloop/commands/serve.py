@@ -76,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
     """
     from ..engine.local import server
 
-    # No `agentloop.allocator.tune_allocator()` here, on purpose: pinning glibc's mmap threshold about
-    # halved the CPU engine's throughput (benchmarks/serve_threads.py: 5113 / 4850 -> 2939 / 2659 tokens/s,
-    # measured earlier, not committed); see the allocator's module docstring.
+    # No `agentloop.allocator.tune_allocator()` here, on purpose: the model's forward passes run in this
+    # process, and pinned thresholds slow torch's CPU work (see the allocator's module docstring).
     code = server.run(args)
     logging.shutdown()
     sys.stdout.flush()
