@@ -232,6 +232,10 @@ async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: Gro
         ups = max(1, len(m["update_seconds"]))
         run.update(update_seconds_mean=r4(sum(m["update_seconds"]) / ups),
                    update_load_seconds_mean=r4(sum(m["update_load_seconds"]) / ups),
+                   update_drain_seconds_mean=r4(sum(m["update_drain_seconds"]) / ups),
+                   update_cpu_seconds_mean=r4(sum(m["update_cpu_seconds"]) / ups),
+                   update_seconds=[r4(x) for x in m["update_seconds"]],
+                   interrupted_per_update=r4(sum(m["update_interrupted"]) / ups),
                    resumed_per_update=r4(m["trajectories_resumed"] / ups),
                    trajectories_resumed=m["trajectories_resumed"], groups_dropped_stale=m["groups_dropped_stale"],
                    groups_restarted_stale=m["groups_restarted_stale"], max_buffered_groups=m["max_buffered_groups"],

@@ -85,8 +85,8 @@ class RecordingGates:
     async def open(self, weight_version: str | None) -> None:
         self.calls.append(("open", weight_version))
 
-    async def close(self) -> int:
-        self.calls.append(("close", None))
+    async def close(self, *, for_update: bool = False) -> int:
+        self.calls.append(("close", "for_update" if for_update else None))
         return 0
 
     async def mark_sleeping(self) -> None:

@@ -9,6 +9,7 @@ from the earlier trajectory's tokens, turns, counters and metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -18,7 +19,11 @@ from ..engine.base import GenerateOutput
 from ..types import Sample, TimelineEvent, Trajectory, TrajectoryStatus
 from .base import AgentContext, sample_seed
 
-__all__ = ["Episode", "BudgetSpent"]
+__all__ = ["Episode", "BudgetSpent", "MAX_PIECES_PER_TURN"]
+
+#: Pieces one model turn may be cut into by weight updates before it ends aborted (and, in the
+#: streaming mode, is resumed as a partial rollout): an engine that aborts everything must not loop.
+MAX_PIECES_PER_TURN = 100
 
 
 class BudgetSpent(Exception):
@@ -116,38 +121,59 @@ class Episode:
     async def generate(self, *, max_new_tokens: int | None = None, **overrides: Any) -> GenerateOutput:
         """One model turn through `ctx.generate`; appends its tokens verbatim. Raises `BudgetSpent`
         when no token fits. The turn's `max_new_tokens` is the smallest of the per-turn limit, the
-        requested one and what the budget has left."""
+        requested one and what the budget has left.
+
+        A request aborted because the engines were drained for a weight update
+        (`GenerateOutput.interrupted_for_update`, the streaming mode's in-flight update) does not end
+        the turn: what it sampled is recorded as a piece of the turn (its own version and logprobs),
+        and the rest of the turn is requested again (it waits at the gate for the new weights),
+        exactly as a resumed partial rollout would continue it, without ending the trajectory. The
+        output returned then covers the whole turn (the pieces' tokens and logprobs in order; its
+        `weight_version` is the last piece's, the buffer's turns keep each piece's)."""
         assert self.buffer is not None
-        left = self.remaining()
-        if left <= 0:
-            raise BudgetSpent(self._budget_reason())
-        open_len = len(self.buffer.open_turn_ids)
-        continuing = open_len > 0
-        if max_new_tokens is None:
-            # The per-turn limit is per assistant message: a resumed one has used part of it.
-            want = max(1, self.config.max_new_tokens_per_turn - open_len)
-        else:
-            want = max_new_tokens
-        n = min(want, left)
-        params = self.sampling.replace(max_new_tokens=n, **overrides)
-        if params.sampling_seed is not None and "sampling_seed" not in overrides:
-            s = self.sample
-            # Per sample and turn (group members would otherwise draw identical tokens); the turn
-            # count comes from the buffer, so a resumed trajectory goes on where it stopped.
-            params.sampling_seed = sample_seed(params.sampling_seed, s.group_id or s.uid, s.index_in_group,
-                                               len(self.buffer.turns))
-        t0 = self.clock()
-        out = await self.ctx.generate(self.buffer.ids, params)
-        t1 = self.clock()
-        self.timeline.append(TimelineEvent("generate", t0, t1))
-        self.metrics["generate_seconds"] += t1 - t0
+        start_open = len(self.buffer.open_turn_ids)
+        continuing = start_open > 0
+        pieces: list[GenerateOutput] = []
+        for _ in range(MAX_PIECES_PER_TURN):
+            left = self.remaining()
+            if left <= 0:
+                if pieces:  # an interrupted piece used the rest of the budget
+                    break
+                raise BudgetSpent(self._budget_reason())
+            open_len = len(self.buffer.open_turn_ids)
+            if max_new_tokens is None:
+                # The per-turn limit is per assistant message: a resumed one has used part of it.
+                want = max(1, self.config.max_new_tokens_per_turn - open_len)
+            else:
+                want = max(1, max_new_tokens - (open_len - start_open))
+            n = min(want, left)
+            params = self.sampling.replace(max_new_tokens=n, **overrides)
+            if params.sampling_seed is not None and "sampling_seed" not in overrides:
+                s = self.sample
+                # Per sample and turn (group members would otherwise draw identical tokens); the turn
+                # count comes from the buffer, so a resumed trajectory goes on where it stopped.
+                params.sampling_seed = sample_seed(params.sampling_seed, s.group_id or s.uid, s.index_in_group,
+                                                   len(self.buffer.turns))
+            t0 = self.clock()
+            out = await self.ctx.generate(self.buffer.ids, params)
+            t1 = self.clock()
+            self.timeline.append(TimelineEvent("generate", t0, t1))
+            self.metrics["generate_seconds"] += t1 - t0
+            if out.output_ids or not out.aborted:
+                self.buffer.append_model_turn(out, generate_seconds=t1 - t0)
+                pieces.append(out)
+            if not (out.aborted and out.interrupted_for_update):
+                break
+            self.metrics["interrupted_for_update"] = self.metrics.get("interrupted_for_update", 0.0) + 1.0
+            if len(out.output_ids) >= want:  # nothing of the turn was left to sample
+                break
+        out = _whole_turn(pieces, out)
         self._continued = continuing
         self._sampled_nothing = not out.output_ids
         if out.aborted and not out.output_ids:
             # Aborted (or never dispatched) before its first token: no turn to record; a resume
             # starts this turn afresh.
             return out
-        self.buffer.append_model_turn(out, generate_seconds=t1 - t0)
         if not continuing:
             self.assistant_turns += 1
         if out.finish_type == "length" and n < want and len(out.output_ids) >= n:
@@ -238,3 +264,14 @@ class Episode:
         return self.buffer.to_trajectory(
             s.uid, s.group_id, status=self.status, finish_reason=self.finish_reason, **common
         )
+
+
+def _whole_turn(pieces: list[GenerateOutput], last: GenerateOutput) -> GenerateOutput:
+    """The output an agent sees for a turn sampled in `pieces` (one piece: itself)."""
+    if len(pieces) <= 1:
+        return pieces[0] if pieces else last
+    end = pieces[-1]
+    return dataclasses.replace(
+        end, output_ids=[t for p in pieces for t in p.output_ids],
+        output_logprobs=[lp for p in pieces for lp in p.output_logprobs],
+        completion_tokens=sum(p.completion_tokens for p in pieces), interrupted_for_update=False)

@@ -184,11 +184,11 @@ class WorkerPool:
             self.gate_version, self.gate_open = weight_version, True
             await self._each(lambda h: h.open_gate.remote(weight_version))
 
-    async def close(self) -> int:
+    async def close(self, *, for_update: bool = False) -> int:
         """Close every worker's gate (awaited on all); returns their requests still in flight."""
         async with self._gate_lock:
             self.gate_open = False
-            counts = await self._each(lambda h: h.close_gate.remote())
+            counts = await self._each(lambda h: h.close_gate.remote(for_update))
         return sum(c or 0 for c in counts)
 
     async def wait_settled(self, url: str, timeout: float) -> int:

@@ -115,8 +115,8 @@ class RolloutWorker:
     async def open_gate(self, weight_version: str | None) -> None:
         await self.gate.open(weight_version)
 
-    async def close_gate(self) -> int:
-        return await self.gate.close()
+    async def close_gate(self, for_update: bool = False) -> int:
+        return await self.gate.close(for_update=for_update)
 
     async def wait_settled(self, url: str, timeout: float) -> int:
         return await self.gate.wait_settled(url, timeout)

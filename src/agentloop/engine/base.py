@@ -153,6 +153,9 @@ class GenerateOutput:
     e2e_latency: float = 0.0
     server_url: str = ""
     raw_meta: dict[str, Any] = field(default_factory=dict)
+    #: Aborted because the engines were drained for a weight update while it ran (set by the gate): the
+    #: episode records what it sampled and continues the turn in place under the new weights.
+    interrupted_for_update: bool = False
 
     @property
     def finish_type(self) -> str:

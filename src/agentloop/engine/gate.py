@@ -41,8 +41,9 @@ class GateControl(Protocol):
     async def open(self, weight_version: str | None) -> None:
         """The engines are AWAKE serving `weight_version`: let generations through."""
 
-    async def close(self) -> int:
-        """The engines are about to sleep: new generations wait. Returns the requests still in flight."""
+    async def close(self, *, for_update: bool = False) -> int:
+        """The engines are about to sleep (or, `for_update`, to be drained for a weight update): new
+        generations wait. Returns the requests still in flight."""
 
     async def mark_sleeping(self) -> None:
         """The engines' memory is released."""
@@ -114,6 +115,11 @@ class Gate:
                 c.watch_gate(lambda: self.is_open)
         #: wall-clock times of recent openings and closings (checked against dispatch times by tests)
         self.opened_at: deque[float] = deque(maxlen=1000)
+        #: Closings to drain the engines for a weight update (`close(for_update=True)`), and the requests
+        #: that came back aborted across one: each is marked `interrupted_for_update`, so its episode
+        #: continues the turn under the new weights instead of ending the trajectory.
+        self.update_drains = 0
+        self.interrupted_for_update = 0
         self.closed_at: deque[float] = deque(maxlen=1000)
 
     # ------------------------------------------------------------------ state
@@ -163,7 +169,9 @@ class Gate:
             self.opened_at.append(time.time())
         self._set(EngineState.AWAKE)
 
-    async def close(self) -> int:
+    async def close(self, *, for_update: bool = False) -> int:
+        if for_update:
+            self.update_drains += 1
         if self.is_open:
             self.closed_at.append(time.time())
         self._set(EngineState.DRAINING)
@@ -233,6 +241,7 @@ class Gate:
         if m.in_flight == 0:
             m.progress = self.clock()  # an idle server owes nothing yet: its clock starts now
         m.in_flight += 1
+        drains = self.update_drains
         scope = anyio.CancelScope()
         m.scopes.add(scope)
         try:
@@ -240,6 +249,9 @@ class Gate:
                 out = await m.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
                 m.progress = self.clock()
                 out.weight_version = served_version(out.weight_version)  # the lifecycle's mark is not a version
+                if drains != self.update_drains and out.aborted:
+                    out.interrupted_for_update = True
+                    self.interrupted_for_update += 1
                 return out
             # only reached when `take_out` cancelled the scope: the router retries on another server
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)

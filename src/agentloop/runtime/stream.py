@@ -29,12 +29,16 @@ same coroutines). What happens:
   token is more than η versions behind the served version is dropped or restarted
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
 - **Weights in flight** (`update_weights`, `Lifecycle.update_weights_drained`): the gates close (generates wait
-  there), every request in flight is aborted and returns with the tokens sampled so far (recorded as
-  a turn of the old version), the weights are loaded through the lifecycle (the same payloads as a
-  staged wake-up's load, the prefix cache flushed) with nothing running, and the gates reopen on the
-  new version. The interrupted trajectories are resumed at once as partial rollouts, so the rest of
-  each turn is a new request sampled by the new weights: every token's recorded version is the
-  version that sampled it, and no KV of the old weights is reused. Why not SGLang's `in_place` or
+  there), every request in flight is aborted and returns with the tokens sampled so far, the weights
+  are loaded through the lifecycle (the same payloads as a staged wake-up's load, the prefix cache
+  flushed) with nothing running, and the gates reopen on the new version. The gate marks each request
+  aborted across the drain (`interrupted_for_update`), and its episode goes on in place
+  (`Episode.generate`): the tokens sampled so far are a piece of the turn with the old version, and
+  the rest of the turn is a new request that waits at the gate and is sampled by the new weights.
+  Every token's recorded version is the version that sampled it, no KV of the old weights is reused,
+  and no trajectory ends or is re-admitted for an update (before, each was resumed as a partial
+  rollout through a new scheduler run: client work on the update's critical path; the measured cost
+  is in benchmarks/README.md, issue 27). Why not SGLang's `in_place` or
   `retract` pause (the lifecycle's `update_weights_in_flight` uses `retract`): SGLang reports one
   `weight_version` per response, so a request that spans the update would label the tokens sampled
   before it with the new version (and `in_place` continues on the old weights' KV). The cost is one
@@ -123,9 +127,15 @@ class RolloutStream:
         self.counts: dict[str, int] = dict.fromkeys((
             "groups_admitted", "groups_dropped_stale", "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
         self.update_seconds: list[float] = []
-        #: Per update, the seconds its weight load took (the rest of `update_seconds` is the drain: closing
-        #: the gates, aborting what runs and waiting for it to return).
+        #: Per update: the seconds of its drain (the gates closed, every request aborted and back), of its
+        #: weight load, and this process's CPU seconds over the whole update (the interrupted trajectories
+        #: are handled meanwhile: the client is on the update's critical path).
+        self.update_drain_seconds: list[float] = []
         self.update_load_seconds: list[float] = []
+        self.update_cpu_seconds: list[float] = []
+        #: Per update, the requests it aborted whose turns went on in place under the new weights
+        #: (`Episode.generate`); `trajectories_resumed` counts those resumed as partial rollouts instead.
+        self.update_interrupted: list[int] = []
         self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
         self.t_awake: float | None = None
 
@@ -201,18 +211,27 @@ class RolloutStream:
         async with self._update_lock:
             self._updating = True
             lc: Lifecycle = self.rt.lifecycle
-            t0, mark = time.monotonic(), lc.record_mark()
+            t0, cpu0, mark = time.monotonic(), time.process_time(), lc.record_mark()
+            cut0 = self._interrupted_requests()
             try:
                 served = await lc.update_weights_drained(w)
             finally:
                 self._updating = False
                 self._poke()
             self.update_seconds.append(time.monotonic() - t0)
-            self.update_load_seconds.append(sum(r.seconds for r in lc.records_since(mark)))
+            recs = lc.records_since(mark)
+            self.update_drain_seconds.append(sum(r.seconds for r in recs if r.phase == "update_drained"))
+            self.update_load_seconds.append(sum(r.seconds for r in recs if r.phase != "update_drained"))
+            self.update_cpu_seconds.append(time.process_time() - cpu0)
+            self.update_interrupted.append(self._interrupted_requests() - cut0)
             self.versions.observe(served)
             self.counts["updates"] += 1
             self._poke()
             return served
+
+    def _interrupted_requests(self) -> int:
+        gate = self.rt.lifecycle.gate
+        return int(getattr(gate, "interrupted_for_update", 0))
 
     @property
     def weight_version(self) -> str | None:
@@ -229,7 +248,9 @@ class RolloutStream:
     def metrics(self) -> dict[str, Any]:
         return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
-                "update_seconds": list(self.update_seconds), "update_load_seconds": list(self.update_load_seconds),
+                "update_seconds": list(self.update_seconds), "update_drain_seconds": list(self.update_drain_seconds),
+                "update_load_seconds": list(self.update_load_seconds), "update_cpu_seconds": list(self.update_cpu_seconds),
+                "update_interrupted": list(self.update_interrupted),
                 "weight_version": self.weight_version,
                 "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
 

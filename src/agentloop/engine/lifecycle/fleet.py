@@ -138,9 +138,9 @@ class Fleet:
         for g in self.gates:
             await g.open(weight_version)
 
-    async def close_gates(self) -> None:
+    async def close_gates(self, *, for_update: bool = False) -> None:
         for g in self.gates:
-            await g.close()
+            await g.close(for_update=for_update)
         if self.gate_windows and len(self.gate_windows[-1]) == 1:
             self.gate_windows[-1].append(time.time())
 

@@ -20,6 +20,7 @@ A stage failing on every server leaves a state from which `wake_up` (resuming wh
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
@@ -237,17 +238,19 @@ class Lifecycle:
         tokens it sampled, a turn of the old version) and wait until the gates count none → load through
         `wake_up` (while AWAKE: the staged path's load stage, same payloads, the prefix cache flushed),
         which opens the gates on the new version. Nothing runs during the load, so no request spans two
-        weight sets (the streaming mode resumes the aborted turns as partial rollouts, so every token's
-        version is the one that sampled it; `update_weights_in_flight` keeps them running instead, and a
-        straddling request is labelled with the newer version). SGLang's own `/pause_generation` in
+        weight sets (the gates mark the aborted requests `interrupted_for_update` and their episodes
+        request the rest of each turn again, so every token's version is the one that sampled it;
+        `update_weights_in_flight` keeps them running instead, and a straddling request is labelled
+        with the newer version). SGLang's own `/pause_generation` in
         `abort` mode polls its lock once a second while requests remain (sglang 0.5.17's tokenizer
         manager); the gates count our requests and say when the last one returned. If the load fails,
         the gates reopen on the old version and the error is raised.
         """
         if self.state is not EngineState.AWAKE:
             raise RuntimeError(f"update_weights_drained needs AWAKE engines; the lifecycle is {self.state.value}")
-        await self.fleet.close_gates()
+        await self.fleet.close_gates(for_update=True)
         try:
+            start = time.monotonic()
             with anyio.fail_after(drain_timeout):
                 while self.in_flight() > 0:
                     # again while any remain: a request sent just before the close may reach its server after an abort
@@ -255,6 +258,8 @@ class Lifecycle:
                     with anyio.move_on_after(0.2):
                         for url in self.urls:
                             await self.gate.wait_settled(url, 0.2)
+            self.fleet.records.append(StageRecord("update_drained", "drain", start, time.monotonic(),
+                                                  {"servers": len(self.urls)}))
             return await self.wake_up(weights)
         except BaseException:
             with anyio.CancelScope(shield=True):

@@ -82,7 +82,7 @@ def same_weights(a: Weights | None, b: Weights | None) -> bool:
 class StageRecord:
     """Timing of one lifecycle stage (across all engines), for summaries and the timeline."""
 
-    phase: str  # "wake_up" | "sleep" | "restore" | "update_in_flight"
+    phase: str  # "wake_up" | "sleep" | "restore" | "update_in_flight" | "update_drained"
     stage: str
     start: float
     end: float
