@@ -127,7 +127,8 @@ def _add_hist(total: dict[int, int], part: dict[int, int]) -> None:
 
 async def _measured(rt: Runtime, engine: Any, body: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     """Run `body(run)` with the in-flight and busy samplers around it; `run` collects its figures."""
-    run: dict[str, Any] = {"trained_tokens": 0, "steps": 0, "staleness_histogram": {}, "stage_seconds": 0.0}
+    run: dict[str, Any] = {"trained_tokens": 0, "prefill_tokens": 0, "steps": 0, "staleness_histogram": {},
+                           "stage_seconds": 0.0}
     sampler = InFlight(rt.lifecycle.gate)
     with BusySampler(engine) as bs:
         async with anyio.create_task_group() as tg:
@@ -138,8 +139,15 @@ async def _measured(rt: Runtime, engine: Any, body: Callable[[dict[str, Any]], A
             tg.cancel_scope.cancel()
     run.update(sampler.result(), **bs.result())
     run["trained_tokens_per_s"] = r4(run["trained_tokens"] / max(run["wall_s"], 1e-9))
+    run["prefill_per_trained_token"] = r4(run["prefill_tokens"] / max(run["trained_tokens"], 1))
     run["staleness_histogram"] = {str(k): v for k, v in sorted(run["staleness_histogram"].items())}
     return run
+
+
+def _prefill_tokens(trajs: list[Any]) -> int:
+    """Context tokens the engine computed (not found in its prefix cache) for the turns of `trajs`: each
+    turn's context (prompt + response so far) minus the engine's `cached_tokens` for it."""
+    return sum(len(t.prompt_ids) + tr.start - tr.cached_tokens for t in trajs for tr in t.turns)
 
 
 def _step_tokens(trajs: list[Any], n: int, want_groups: int, mode: str) -> int:
@@ -165,6 +173,7 @@ async def per_step(rt: Runtime, engine: Any, args: argparse.Namespace, src: Grou
         while run["steps"] < args.steps and time.monotonic() - t0 < args.run_limit:
             res = await rt.step([src.sample() for _ in range(B)], weights(), n=n, concurrency=B * n)
             run["trained_tokens"] += _step_tokens(res.trajectories, n, B, "per_step")
+            run["prefill_tokens"] += _prefill_tokens(res.trajectories)
             _add_hist(run["staleness_histogram"], _hist(res.metrics))
             run["stage_seconds"] += res.metrics["wake_up_seconds"] + res.metrics["sleep_seconds"]
             run["steps"] += 1
@@ -194,6 +203,7 @@ async def over_admission(rt: Runtime, engine: Any, args: argparse.Namespace, src
                                 stale_policy="restart", on_trajectory=lambda t: emitted.append(time.monotonic()))
             m = res.metrics
             run["trained_tokens"] += _step_tokens(res.trajectories, n, B, "over_admission")
+            run["prefill_tokens"] += _prefill_tokens(res.trajectories)
             _add_hist(run["staleness_histogram"], _hist(m))
             run["stage_seconds"] += m["wake_up_seconds"] + m["sleep_seconds"]
             if emitted:
@@ -220,6 +230,7 @@ async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: Gro
         async with rollout_stream(rt, src.samples(), cfg, weights=weights(), n=n, concurrency=active) as s:
             async for batch in s:
                 run["trained_tokens"] += _step_tokens(batch.trajectories, n, len(batch.groups), "streaming")
+                run["prefill_tokens"] += _prefill_tokens(batch.trajectories)
                 _add_hist(run["staleness_histogram"], batch.staleness)
                 run["steps"] += 1
                 if run["steps"] >= args.steps or time.monotonic() - t0 >= args.run_limit:
@@ -265,6 +276,7 @@ async def bare_refill(rt: Runtime, engine: Any, args: argparse.Namespace, src: G
         jobs = members()
         done: dict[str, int] = {}
         tokens: dict[str, int] = {}
+        prefill: dict[str, int] = {}
         want = args.steps * B
         t0 = time.monotonic()
         finished = anyio.Event()
@@ -273,20 +285,23 @@ async def bare_refill(rt: Runtime, engine: Any, args: argparse.Namespace, src: G
         async def trajectory(gid: str, uid: str, turns: list[dict[str, Any]]) -> None:
             nonlocal ready
             ctx = _fixed_ids(f"{uid}/prompt", prompt, 3, 200)
-            got = 0
+            got = computed = 0
             for k, t in enumerate(turns):
                 out = await lc.generate(engine.url, ctx, SamplingParams(max_new_tokens=t["gen_tokens"], temperature=1.0,
                                                                         ignore_eos=True), timeout=600)
                 got += len(out.output_ids)
+                computed += len(ctx) - out.cached_tokens
                 ctx = ctx + out.output_ids
                 if k < len(turns) - 1:
                     await anyio.sleep(t["tool_latency_s"])
                     ctx = ctx + _fixed_ids(f"{uid}/tool{k}", t["tool_result_tokens"], 3, 200)
             tokens[gid] = tokens.get(gid, 0) + got
+            prefill[gid] = prefill.get(gid, 0) + computed
             done[gid] = done.get(gid, 0) + 1
             if done[gid] == n and ready < want:  # a complete group: one of the next step's B
                 ready += 1
                 run["trained_tokens"] += tokens[gid]
+                run["prefill_tokens"] += prefill[gid]
                 run["steps"] = ready // B
                 if ready >= want:
                     finished.set()
@@ -480,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                                "tokens (per_step: all 0)",
         "stage_seconds": "seconds spent in wake-ups and sleeps (per_step, over_admission), in the first wake-up and "
                          "the in-flight updates (streaming), in the wake-up (bare_refill)",
+        "prefill_per_trained_token": "context tokens the engine computed (each turn's prompt + response so far minus "
+                                     "its cached_tokens) per trained token, over the trained groups: re-prefill after "
+                                     "a flush (a wake-up, an in-flight update) shows here",
         "stop_tail_s": "over_admission: rollout seconds after the last returned trajectory (aborting and carrying the rest)",
         "in_flight": "trajectories in flight: per_step = the batch; the others = active",
         "ratios": "per tool latency: X@active_over_per_step and streaming_over_bare_refill@active, one run each, same "

@@ -111,7 +111,14 @@ async def test_a_piece_that_spends_the_budget_ends_the_turn_without_another_requ
     script = Script([sampled([11, 12, 13, 14], [-0.1] * 4, "v1", cut=True), sampled([99], [-9.0], "v2")])
     t = await run(script, gen=10, max_response=4)
     assert len(script.inputs) == 1 and t.response_ids == [11, 12, 13, 14]
-    assert t.status in ("aborted", "truncated")  # a resume of the partial ends it truncated (no budget left)
+    assert (t.status, t.finish_reason) == ("truncated", "max_response_tokens")
+
+
+async def test_an_abort_landing_after_the_last_wanted_token_ends_the_turn_by_its_length() -> None:
+    script = Script([sampled([11, 12, 13, 14], [-0.1] * 4, "v1", cut=True), sampled([99], [-9.0], "v2")])
+    t = await run(script, gen=4)
+    assert (t.status, len(script.inputs), t.response_ids) == ("completed", 1, [11, 12, 13, 14])
+    assert t.turns[0].finish_reason == {"type": "length", "length": 4}
 
 
 async def test_many_pieces_add_up_to_the_turn_with_exact_tokens() -> None:

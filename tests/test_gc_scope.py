@@ -116,3 +116,27 @@ async def test_a_steps_trajectories_are_not_left_in_a_reference_cycle() -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_collector_paused_turns_collection_off_for_the_block_only() -> None:
+    from agentloop.scheduler.gc_scope import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused(True) as paused:
+        assert paused and not gc.isenabled()
+    assert gc.isenabled()
+    with collector_paused(False) as paused:  # not opted in: nothing changes
+        assert not paused and gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused(True) as paused:  # someone else turned it off: left off, not turned on after
+            assert not paused
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    try:
+        with collector_paused(True):
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled()

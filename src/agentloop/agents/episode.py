@@ -159,14 +159,17 @@ class Episode:
             t1 = self.clock()
             self.timeline.append(TimelineEvent("generate", t0, t1))
             self.metrics["generate_seconds"] += t1 - t0
+            if out.aborted and out.interrupted_for_update and len(out.output_ids) >= n:
+                # Every token asked for was sampled before the abort landed: the request ended by
+                # its length, not cut (a resume would sample one token more than the turn wants).
+                out.finish_reason = {"type": "length", "length": len(out.output_ids)}
+                out.interrupted_for_update = False
             if out.output_ids or not out.aborted:
                 self.buffer.append_model_turn(out, generate_seconds=t1 - t0)
                 pieces.append(out)
             if not (out.aborted and out.interrupted_for_update):
                 break
             self.metrics["interrupted_for_update"] = self.metrics.get("interrupted_for_update", 0.0) + 1.0
-            if len(out.output_ids) >= want:  # nothing of the turn was left to sample
-                break
         out = _whole_turn(pieces, out)
         self._continued = continuing
         self._sampled_nothing = not out.output_ids

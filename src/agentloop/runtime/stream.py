@@ -60,7 +60,7 @@ from ..batch import collate
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
-from ..scheduler.gc_scope import frozen_heap
+from ..scheduler.gc_scope import collector_paused, frozen_heap
 from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
@@ -214,7 +214,8 @@ class RolloutStream:
             t0, cpu0, mark = time.monotonic(), time.process_time(), lc.record_mark()
             cut0 = self._interrupted_requests()
             try:
-                served = await lc.update_weights_drained(w)
+                with collector_paused(self.scfg.gc_freeze):
+                    served = await lc.update_weights_drained(w)
             finally:
                 self._updating = False
                 self._poke()

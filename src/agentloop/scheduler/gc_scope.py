@@ -18,6 +18,11 @@ step's collections walk only what the step allocated. It changes process-wide st
   (`gc.get_freeze_count() > 0`: the trainer's own freeze, or another runtime's step in this process), so
   it never undoes a freeze it did not make;
 - a `gc.freeze()` made by someone else *during* the step is undone with ours at its end.
+
+`collector_paused(True)` (same opt-in) turns automatic collection off for a short block on the
+critical path, the streaming mode's in-flight weight update: the engine idles until it ends, and the
+hundreds of aborted responses it handles at once would otherwise set off a collection right then.
+Objects freed by reference counting are freed as always; the collection runs after the block.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import contextlib
 import gc
 from typing import Iterator
 
-__all__ = ["frozen_heap"]
+__all__ = ["frozen_heap", "collector_paused"]
 
 
 @contextlib.contextmanager
@@ -41,3 +46,16 @@ def frozen_heap(enabled: bool) -> Iterator[bool]:
         yield True
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def collector_paused(enabled: bool) -> Iterator[bool]:
+    """No automatic collection inside the block (see the module docstring); yields whether it paused."""
+    if not enabled or not gc.isenabled():
+        yield False
+        return
+    gc.disable()
+    try:
+        yield True
+    finally:
+        gc.enable()
