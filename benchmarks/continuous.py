@@ -1,5 +1,6 @@
-"""Continuous rollout: trained tokens per second of four ways to keep one engine busy over many
-training steps: agentloop's per-step mode, over-admission with carried partials, the streaming mode, and
+"""Continuous rollout: trained tokens per second of five ways to keep one engine busy over many
+training steps: agentloop's per-step mode, over-admission with carried partials, the streaming mode
+(its prefix cache flushed or kept at each update), and
 a bare client that refills a finished trajectory's slot at once.
 
 Every way serves the same seeded stream of GRPO groups (`--group-size` members; a group's members
@@ -17,7 +18,11 @@ said in the JSON):
   every step.
 - **streaming**: `rollout_stream` (`agentloop.runtime.stream`) keeping `active` trajectories in
   flight; after each batch the trainer applies new weights in flight (`update_weights`); the engine
-  never sleeps. AReaL's bound `--max-staleness`.
+  never sleeps. AReaL's bound `--max-staleness`. Each update flushes the engine's prefix cache, so
+  every context in flight is prefilled again under the new weights.
+- **streaming_kv_reuse**: the same with `StreamConfig(kv_on_update="reuse")`: the prefix cache survives
+  each update, so a turn cut by it goes on from the KV the old weights wrote (PipelineRL's in-flight
+  update) instead of re-prefilling it.
 - **bare_refill**: no agentloop runtime: `active` tasks, each running one trajectory after another
   (turn, tool sleep, next turn) through the same `Lifecycle.generate` and client; a step = the next B
   groups completed. No weight updates: the ceiling a continuous mode can reach at that in-flight count.
@@ -36,6 +41,7 @@ that trained it), groups restarted for staleness, and per tool latency the ratio
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -73,7 +79,10 @@ from agentloop.runtime.stream import StreamConfig, rollout_stream  # noqa: E402
 from agentloop.scheduler.gc_scope import frozen_heap  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
-MODES = ("per_step", "over_admission", "streaming", "bare_refill")
+MODES = ("per_step", "over_admission", "streaming", "streaming_kv_reuse", "bare_refill")
+#: The streaming runs: `streaming_kv_reuse` keeps the engine's prefix cache across each update
+#: (`StreamConfig.kv_on_update="reuse"`), `streaming` flushes it (the default).
+STREAMING = {"streaming": "recompute", "streaming_kv_reuse": "reuse"}
 
 
 class GroupSource:
@@ -220,10 +229,10 @@ async def over_admission(rt: Runtime, engine: Any, args: argparse.Namespace, src
 
 
 async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: GroupSource, weights: Callable[[], Weights],
-                    active: int) -> dict[str, Any]:
+                    active: int, *, kv_on_update: str = "recompute") -> dict[str, Any]:
     B, n = args.batch_groups, args.group_size
     cfg = StreamConfig(batch_groups=B, active=active, max_staleness=args.max_staleness,
-                       max_queued_batches=args.max_queued_batches)
+                       max_queued_batches=args.max_queued_batches, kv_on_update=kv_on_update)  # type: ignore[arg-type]
 
     async def body(run: dict[str, Any]) -> None:
         t0 = time.monotonic()
@@ -333,7 +342,8 @@ async def bare_refill(rt: Runtime, engine: Any, args: argparse.Namespace, src: G
     return out
 
 
-RUNNERS = {"per_step": per_step, "over_admission": over_admission, "streaming": streaming, "bare_refill": bare_refill}
+RUNNERS = {"per_step": per_step, "over_admission": over_admission, "bare_refill": bare_refill,
+           **{mode: functools.partial(streaming, kv_on_update=kv) for mode, kv in STREAMING.items()}}
 
 
 def _points(args: argparse.Namespace) -> list[tuple[float, str, int]]:
@@ -385,7 +395,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
                 print(f"{mode:15s} tools {lat:g}s, {active} in flight ...", flush=True)
                 run = await RUNNERS[mode](rt, engine, run_args, src, weights, active)
                 run.update(mode=mode, tool_latency_mean_s=lat, active=active, run_limit_s=r4(run_args.run_limit),
-                           max_staleness=eta if mode in ("over_admission", "streaming") else None,
+                           max_staleness=eta if mode == "over_admission" or mode in STREAMING else None,
                            complete_steps=run["steps"] >= args.steps)
                 out["runs"].append(run)
                 print(f"{mode:15s} tools {lat:g}s, {run['in_flight']} in flight: {run['trained_tokens_per_s']:9.1f} trained tok/s "
@@ -406,10 +416,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         base = next((r["trained_tokens_per_s"] for r in rs if r["mode"] == "per_step"), None)
         ratios: dict[str, float] = {}
         for (mode, active), v in by.items():
-            if mode in ("streaming", "over_admission") and base:
+            if (mode in STREAMING or mode == "over_admission") and base:
                 ratios[f"{mode}@{active}_over_per_step"] = r4(v / base)
-            if mode == "streaming" and by.get(("bare_refill", active)):
-                ratios[f"streaming_over_bare_refill@{active}"] = r4(v / by[("bare_refill", active)])
+            if mode in STREAMING and by.get(("bare_refill", active)):
+                ratios[f"{mode}_over_bare_refill@{active}"] = r4(v / by[("bare_refill", active)])
         summary[f"{lat:g}s"] = {"trained_tokens_per_s": tps, "ratios": ratios}
     return summary
 
@@ -418,7 +428,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     lats = sorted({r["tool_latency_mean_s"] for r in report.get("runs", [])})
     fig, axes = plt.subplots(1, max(1, len(lats)), figsize=(5.2 * max(1, len(lats)), 4.0), squeeze=False)
-    colors = {"per_step": "tab:gray", "over_admission": "tab:orange", "streaming": "tab:blue", "bare_refill": "tab:green"}
+    colors = {"per_step": "tab:gray", "over_admission": "tab:orange", "streaming": "tab:blue",
+              "streaming_kv_reuse": "tab:cyan", "bare_refill": "tab:green"}
     for ax, lat in zip(axes[0], lats):
         rs = [r for r in report["runs"] if r["tool_latency_mean_s"] == lat]
         labels = [f"{r['mode']}\n{r['in_flight']}" for r in rs]

@@ -105,3 +105,44 @@ async def test_twenty_in_flight_updates_keep_every_token_version_exact(models: t
                 contrast = max(contrast, abs(lps[other][r] - t.response_logprobs[r]))
     assert worst < 2e-3, f"a token's logprob differs by {worst} from its labelled weights'"
     assert contrast > 0.1  # the check can tell the two weight sets apart
+
+
+class FlushRecordingClient(SGLangClient):
+    """The real client, noting the `flush_cache` each weight load sends."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.flushes: list[bool] = []
+
+    async def update_weights_from_tensor(self, named_tensors: Any, **kw: Any) -> Any:
+        self.flushes.append(bool(kw.get("flush_cache", True)))
+        return await super().update_weights_from_tensor(named_tensors, **kw)
+
+
+@pytest.mark.parametrize("kv_on_update", ["recompute", "reuse"])
+async def test_kv_on_update_decides_whether_the_load_flushes_the_prefix_cache(
+        models: tuple[Path, Path], pool: EnginePool, kv_on_update: str) -> None:
+    a_dir, b_dir = models
+    weights = [load_file(str(d / "model.safetensors")) for d in (b_dir, a_dir, b_dir)]
+    async with pool.servers(1) as (proc,):
+        client = FlushRecordingClient(proc.url)
+        rt = Runtime({"engine": {"tokenizer": str(a_dir)}, "scheduler": {"n": 2}}, clients=[client])
+        async with rt:
+            cfg = StreamConfig(batch_groups=1, active=8, kv_on_update=kv_on_update)  # type: ignore[arg-type]
+            async with rollout_stream(rt, replay_feed(6), cfg) as s:
+                uids = []
+                async for batch in s:
+                    uids += [t.uid for t in batch.trajectories]
+                    assert all(t.status == "completed" and sum(t.response_mask) == 24 for t in batch.trajectories)
+                    if batch.index <= 3:  # batches count from 1
+                        w = weights[batch.index - 1]
+                        assert await s.update_weights(w, version=f"u{batch.index}") == f"u{batch.index}"
+                m = s.metrics
+    assert m["updates"] == 3 and sorted(uids) == sorted(f"s{i}_{k}" for i in range(6) for k in range(2))
+    assert client.flushes == [kv_on_update == "recompute"] * 3
+    assert m["kv_on_update"] == kv_on_update
+
+
+def test_kv_on_update_is_validated() -> None:
+    with pytest.raises(ValueError, match="kv_on_update must be 'recompute' or 'reuse'"):
+        StreamConfig(batch_groups=1, active=2, kv_on_update="keep")  # type: ignore[arg-type]

@@ -215,14 +215,14 @@ class RolloutStream:
             cut0 = self._interrupted_requests()
             try:
                 with collector_paused(self.scfg.gc_freeze):
-                    served = await lc.update_weights_drained(w)
+                    served = await lc.update_weights_drained(w, flush_cache=self.config.kv_on_update == "recompute")
             finally:
                 self._updating = False
                 self._poke()
             self.update_seconds.append(time.monotonic() - t0)
             recs = lc.records_since(mark)
-            self.update_drain_seconds.append(sum(r.seconds for r in recs if r.phase == "update_drained"))
-            self.update_load_seconds.append(sum(r.seconds for r in recs if r.phase != "update_drained"))
+            self.update_drain_seconds.append(sum(r.seconds for r in recs if r.stage == "drain"))
+            self.update_load_seconds.append(sum(r.seconds for r in recs if r.stage != "drain"))
             self.update_cpu_seconds.append(time.process_time() - cpu0)
             self.update_interrupted.append(self._interrupted_requests() - cut0)
             self.versions.observe(served)
@@ -251,7 +251,7 @@ class RolloutStream:
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
                 "update_seconds": list(self.update_seconds), "update_drain_seconds": list(self.update_drain_seconds),
                 "update_load_seconds": list(self.update_load_seconds), "update_cpu_seconds": list(self.update_cpu_seconds),
-                "update_interrupted": list(self.update_interrupted),
+                "update_interrupted": list(self.update_interrupted), "kv_on_update": self.config.kv_on_update,
                 "weight_version": self.weight_version,
                 "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
 

@@ -13,9 +13,10 @@ from typing import Any, Literal
 from ..batch import RolloutBatch
 from ..types import Trajectory
 
-__all__ = ["StalePolicy", "StreamBatch", "StreamConfig"]
+__all__ = ["KvOnUpdate", "StalePolicy", "StreamBatch", "StreamConfig"]
 
 StalePolicy = Literal["drop", "restart"]
+KvOnUpdate = Literal["recompute", "reuse"]
 
 
 @dataclass
@@ -34,6 +35,17 @@ class StreamConfig:
     - `stale_policy`: "drop" (the group is discarded and counted) or "restart" (its prompt is
       admitted again from scratch, counted). Dropping biases the batches against long trajectories;
       restarting costs their compute again. Both are counted in `RolloutStream.metrics`.
+    - `kv_on_update`: what becomes of the engine's prefix (KV) cache at an in-flight weight update.
+      "recompute" (AReaL's choice) flushes it with the load: every interrupted turn and every later
+      turn prefills its whole context under the new weights, so each token is sampled by one weight
+      set end to end — at the cost of re-prefilling every context in flight after each update.
+      "reuse" (PipelineRL's choice) keeps it: a turn cut by the update goes on from the KV the old
+      weights wrote (no re-prefill), so tokens sampled after the update by the new weights attend to
+      a prefix the old weights encoded until those contexts leave the cache. Either way a token's
+      recorded version is the weights that sampled it and its logprob is the one it was sampled with
+      (the behaviour policy, exactly); with "reuse" that policy is the new weights over a partly stale
+      KV prefix, which off-policy corrections (importance ratios against the recorded logprobs)
+      handle but which no single weight version reproduces.
     """
 
     batch_groups: int
@@ -41,6 +53,7 @@ class StreamConfig:
     max_queued_batches: int = 2
     max_staleness: int | None = None
     stale_policy: StalePolicy = "drop"
+    kv_on_update: KvOnUpdate = "recompute"
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_groups, int) or self.batch_groups < 1:
@@ -53,6 +66,8 @@ class StreamConfig:
             raise ValueError(f"StreamConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
         if self.stale_policy not in ("drop", "restart"):
             raise ValueError(f"StreamConfig.stale_policy must be 'drop' or 'restart', got {self.stale_policy!r}")
+        if self.kv_on_update not in ("recompute", "reuse"):
+            raise ValueError(f"StreamConfig.kv_on_update must be 'recompute' or 'reuse', got {self.kv_on_update!r}")
 
 
 @dataclass

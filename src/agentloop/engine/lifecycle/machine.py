@@ -133,14 +133,7 @@ class Lifecycle:
             return self.weight_version
         async with self._transition_lock:
             if self._state is EngineState.AWAKE:
-                if w is not None and not self._serves(w):
-                    version = self._next_version(w)
-                    log.info("wake_up while AWAKE with new weights: loading them in place (%s -> %s)",
-                             self.weight_version, version)
-                    await self.fleet.stage("wake_up", "update_weights", lambda d: d.load(w, version))
-                    self.weight_version, self._last_weights = version, w
-                await self.fleet.open_gates(self.weight_version)
-                return self.weight_version
+                return await self._load_awake(w, "wake_up")
             if self._state is EngineState.DRAINING:
                 # the lock is free, so no sleep is running: the last one (or an update) failed part-way
                 raise LifecycleError(
@@ -160,6 +153,18 @@ class Lifecycle:
                 wake.done.set()
                 self._waking = None
             return self.weight_version
+
+    async def _load_awake(self, w: Weights | None, phase: str, *, flush_cache: bool = True) -> str | None:
+        """While AWAKE (the transition lock held): load `w` in place unless it is already served, then
+        open the gates on the version served."""
+        if w is not None and not self._serves(w):
+            version = self._next_version(w)
+            log.info("%s while AWAKE with new weights: loading them in place (%s -> %s)",
+                     phase, self.weight_version, version)
+            await self.fleet.stage(phase, "update_weights", lambda d: d.load(w, version, flush_cache=flush_cache))
+            self.weight_version, self._last_weights = version, w
+        await self.fleet.open_gates(self.weight_version)
+        return self.weight_version
 
     def _serves(self, w: Weights) -> bool:
         return same_weights(w, self._last_weights) or (w.version is not None and w.version == self.weight_version)
@@ -231,13 +236,17 @@ class Lifecycle:
             self._set_state(EngineState.SLEEPING)
             await self.fleet.mark_sleeping()
 
-    async def update_weights_drained(self, weights: WeightsLike, *, drain_timeout: float = 60.0) -> str | None:
+    async def update_weights_drained(self, weights: WeightsLike, *, drain_timeout: float = 60.0,
+                                     flush_cache: bool = True) -> str | None:
         """Load `weights` into AWAKE engines without a sleep, after draining them; returns the version served.
 
         Close the gates (generates wait there) → abort every request in flight (each returns with the
-        tokens it sampled, a turn of the old version) and wait until the gates count none → load through
-        `wake_up` (while AWAKE: the staged path's load stage, same payloads, the prefix cache flushed),
-        which opens the gates on the new version. Nothing runs during the load, so no request spans two
+        tokens it sampled, a turn of the old version) and wait until the gates count none → load (the
+        staged wake-up's load stage, same payloads; phase "update_drained") → open the gates on the new
+        version. `flush_cache=True` flushes the prefix cache with the load, so every context is
+        prefilled again under the new weights; `False` keeps it (the KV the old weights wrote is reused
+        by the requests that follow: no re-prefill, but their tokens attend to that KV — see
+        `StreamConfig.kv_on_update`). Nothing runs during the load, so no request spans two
         weight sets (the gates mark the aborted requests `interrupted_for_update` and their episodes
         request the rest of each turn again, so every token's version is the one that sampled it;
         `update_weights_in_flight` keeps them running instead, and a straddling request is labelled
@@ -260,7 +269,10 @@ class Lifecycle:
                             await self.gate.wait_settled(url, 0.2)
             self.fleet.records.append(StageRecord("update_drained", "drain", start, time.monotonic(),
                                                   {"servers": len(self.urls)}))
-            return await self.wake_up(weights)
+            async with self._transition_lock:
+                if self._state is not EngineState.AWAKE:
+                    raise LifecycleError("update_drained", f"the engines became {self._state.value} during the drain")
+                return await self._load_awake(Weights.coerce(weights), "update_drained", flush_cache=flush_cache)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 if self.state is EngineState.AWAKE:
