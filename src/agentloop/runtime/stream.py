@@ -30,19 +30,20 @@ same coroutines). What happens:
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
 - **Weights in flight** (`update_weights`, `Lifecycle.update_weights_drained`): the gates close (generates wait
   there), every request in flight is aborted and returns with the tokens sampled so far, the weights
-  are loaded through the lifecycle (the same payloads as a staged wake-up's load, the prefix cache
-  flushed) with nothing running, and the gates reopen on the new version. The gate marks each request
+  are loaded through the lifecycle (the same payloads as a staged wake-up's load; the prefix cache
+  flushed unless `kv_on_update="reuse"`) with nothing running, and the gates reopen on the new version. The gate marks each request
   aborted across the drain (`interrupted_for_update`), and its episode goes on in place
   (`Episode.generate`): the tokens sampled so far are a piece of the turn with the old version, and
   the rest of the turn is a new request that waits at the gate and is sampled by the new weights.
-  Every token's recorded version is the version that sampled it, no KV of the old weights is reused,
-  and no trajectory ends or is re-admitted for an update (before, each was resumed as a partial
-  rollout through a new scheduler run: client work on the update's critical path; the measured cost
-  is in benchmarks/README.md, issue 27). Why not SGLang's `in_place` or
+  Every token's recorded version is the version that sampled it (with the default
+  `kv_on_update="recompute"` no KV of the old weights is reused; "reuse" keeps it), and no
+  trajectory ends or is re-admitted for an update (before, each was resumed as a partial rollout
+  through a new scheduler run: client work on the update's critical path; the measured cost is in
+  benchmarks/README.md, issue 27). Why not SGLang's `in_place` or
   `retract` pause (the lifecycle's `update_weights_in_flight` uses `retract`): SGLang reports one
   `weight_version` per response, so a request that spans the update would label the tokens sampled
   before it with the new version (and `in_place` continues on the old weights' KV). The cost is one
-  re-prefill per interrupted request. See docs/trainers.md.
+  re-prefill per interrupted request (none with `kv_on_update="reuse"`). See docs/trainers.md.
 """
 
 from __future__ import annotations
