@@ -10,7 +10,8 @@
 #                         buckets of 256 MB / 1 GB, SGLang's flattened_bucket; GB/s; per-request cost)
 #   3. throughput points  benchmarks/rollout_throughput.py, one process per (concurrency, mean tool latency)
 #                         point of SWEEP_POINTS (default below: the c=256 / 0.5 s operating point first);
-#                         a point may name its modes: "256:0.5:ceiling,agentloop,agentloop_depth_first" (default
+#                         a point may name its modes and repeats (default 1; the modes' order rotates per
+#                         repeat): "256:0.5:ceiling,agentloop,agentloop_depth_first:3" (default
 #                         SWEEP_MODES: ceiling agentloop agentloop_gc_freeze turn_sync multiturn_raw),
 #                         1024 trajectories x 3 turns, heavy-tailed turn lengths, lognormal tool latency
 #                         (sigma 1); ceiling, agentloop and turn-sync each; client CPU-seconds per 1k tokens;
@@ -148,15 +149,16 @@ want lifecycle && run_part lifecycle 75 lifecycle --out "$RES" $SIZE_LC
 want weights && run_part weights 60 weight_update --out "$RES" $SIZE_WU
 run_points() {  # POINTS_DIR SUFFIX LONG_TAIL(0|1) POINT...: throughput points against $URL, then the merged report
   local dir=$1 suffix=$2 lt=$3; shift 3
-  local n=0 pt c lat pmodes limit
+  local n=0 pt c lat pmodes preps limit
   mkdir -p "$dir"
   for pt in "$@"; do
-    IFS=: read -r c lat pmodes <<< "$pt"
+    IFS=: read -r c lat pmodes preps <<< "$pt"
     pmodes=${pmodes:-${SWEEP_MODES:-ceiling agentloop agentloop_gc_freeze turn_sync multiturn_raw}}
+    preps=${preps:-1}
     [ "$DRYRUN" = 1 ] && c=$(( c / 32 ))  # 8/2/4: the CPU engine's scale
     limit=${SWEEP_POINT_LIMIT:-220}  # a point cut short keeps nothing (one JSON per point, written at its end)
     run_part "throughput${suffix}_c${c}_l${lat}" $limit rollout_throughput --out "$dir/c${c}_l${lat}" $SIZE_TP \
-      --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats 1 --modes ${pmodes//,/ } \
+      --tool-latency-dist lognormal --tool-latency-means "$lat" --concurrency "$c" --repeats "$preps" --modes ${pmodes//,/ } \
       --server-log "$SERVER_LOG"
     [ $? = 2 ] && break
     n=$((n + 1))

@@ -161,7 +161,8 @@ def plot_cpu(merged: dict[str, Any], path: Path) -> None:
     ax[0].legend(fontsize=8)
     width = 0.27
     for k, (key, label) in enumerate((("ceiling", "client: ceiling tok/s"), ("agentloop", "client: agentloop tok/s"))):
-        ax[1].bar([i + (k - 1) * width for i in range(len(pts))], [p[key]["tokens_per_s"] for p in pts], width, label=label)
+        ax[1].bar([i + (k - 1) * width for i in range(len(pts))],
+                  [p.get(key, {}).get("tokens_per_s", 0.0) for p in pts], width, label=label)  # a point may omit a mode
     ax[1].bar([i + width for i in range(len(pts))], [p.get("sglang_log", {}).get("decode_gen_throughput_max", 0.0)
                                                      for p in pts], width, label="SGLang log: decode tok/s (max)")
     ax[1].set_xticks(range(len(pts)), labels, fontsize=7)
