@@ -289,11 +289,13 @@ async def test_the_call_runs_in_its_own_cgroup_with_its_limits():
     seen: dict = {}
 
     async def watch() -> None:
+        # Bubblewrap joins the cgroup a moment before it forks the interpreter: keep looking until the
+        # cgroup holds both (or the call ends), so the first glimpse of bwrap alone does not decide.
         prefix = f"agentloop-sbx-{os.getpid()}-"
-        while not seen:
+        while len(seen.get("procs", ())) < 2:
             for name in os.listdir(CGROUP.memory_parent):
                 d = os.path.join(CGROUP.memory_parent, name)
-                if name.startswith(prefix) and Path(d, "cgroup.procs").read_text().split():
+                if name.startswith(prefix) and len(Path(d, "cgroup.procs").read_text().split()) > len(seen.get("procs", ())):
                     mem = "memory.max" if CGROUP.version == 2 else "memory.limit_in_bytes"
                     pids_dir = d if CGROUP.version == 2 else (os.path.join(CGROUP.pids_parent, name) if CGROUP.pids_parent else None)
                     seen.update(memory=int(Path(d, mem).read_text()), procs=Path(d, "cgroup.procs").read_text().split(),

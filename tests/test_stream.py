@@ -83,6 +83,25 @@ async def test_trainer_that_stops_consuming_stops_admission() -> None:
                     await anyio.sleep(0.01)
 
 
+async def test_closing_while_the_queue_is_full_loses_no_group() -> None:
+    # The batcher waits in its send with a full batch the queue has no room for; the trainer leaves.
+    # Four groups in flight finish together: one to the trainer, one to the queue, one in the send.
+    # That batch must end on `unconsumed` (a cancelled send drops its item), not vanish.
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    async with rt:
+        async with rollout_stream(rt, feed(100), StreamConfig(batch_groups=1, active=8, max_queued_batches=1)) as s:
+            consumed = [t.uid for t in (await s.__anext__()).trajectories]
+            with anyio.fail_after(10):
+                while s.buffered_groups < 2 or s.in_flight:  # the queue's batch + the one waiting to be sent
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.05)  # the batcher is in its send
+            admitted = s.counts["groups_admitted"]
+        unconsumed = [t.uid for g in s.unconsumed for t in g]
+        every = consumed + unconsumed + [x.uid for x in s.leftover]
+        assert sorted(every) == sorted(f"p{i}_{k}" for i in range(admitted) for k in range(2))  # each exactly once
+
+
 @pytest.mark.parametrize("eta,policy", [(0, "drop"), (1, "drop"), (1, "restart")])
 async def test_staleness_bound_holds_for_every_trained_token(eta: int, policy: str) -> None:
     eng = FakeEngine("http://a", token_delay=0.002)
@@ -138,6 +157,10 @@ async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
         assert leftover and any(x.resume_from is not None and x.resume_from.status == "aborted" for x in s.leftover)
         res = await rt.step(s.leftover)  # the partials go on in a later step, which completes their groups
         assert all(t.status == "completed" for t in res.trajectories)
+        # the queue to the trainer is closed with the block (an open one warns when collected), and a
+        # trainer that iterates again is told the stream ended
+        with pytest.raises(StopAsyncIteration):
+            await s.__anext__()
 
 
 class FailingUpdateEngine(FakeEngine):

@@ -112,7 +112,9 @@ class RolloutStream:
         self._originals: dict[str, Sample] = {}  # every admitted prompt by uid (uids are unique across the stream)
         self._restart: list[Sample] = []  # prompts to admit again (stale_policy "restart")
         self._send, self._receive = anyio.create_memory_object_stream[list[list[Trajectory]]](config.max_queued_batches)
-        self._sending = False  # the batcher holds a full batch the queue has no room for
+        #: the batch the batcher is sending, until a receiver took it: a send cancelled while the queue
+        #: is full (the stream closing) drops its item, so `_collect_unconsumed` keeps it from here
+        self._unsent: list[list[Trajectory]] | None = None
         self._update_lock = anyio.Lock()
         self._updating = False
         self._closing = False
@@ -170,12 +172,21 @@ class RolloutStream:
         """After the tasks ended: the groups still queued or waiting to be batched go to `unconsumed`."""
         while True:
             try:
-                self.unconsumed.extend(self._receive.receive_nowait())
+                self.unconsumed.extend(self._received(self._receive.receive_nowait()))
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
+        if self._unsent is not None:  # its send was cancelled before anyone took it
+            self.unconsumed.extend(self._unsent)
+            self._unsent = None
+        self._receive.close()  # an unclosed stream warns when it is collected (at exit: a traceback)
         ready, partials = self.groups.close()
         self.unconsumed.extend(ready)
         self.leftover.extend(partials)
+
+    def _received(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        if groups is self._unsent:  # taken straight from a waiting send: it is delivered
+            self._unsent = None
+        return groups
 
     # ------------------------------------------------------------------ the trainer's side
     def __aiter__(self) -> "RolloutStream":
@@ -186,8 +197,8 @@ class RolloutStream:
             if self._error is not None:
                 raise self._error
             try:
-                groups = await self._receive.receive()
-            except anyio.EndOfStream:
+                groups = self._received(await self._receive.receive())
+            except (anyio.EndOfStream, anyio.ClosedResourceError):  # closed: the stream's block has ended
                 if self._error is not None:
                     raise self._error from None
                 raise StopAsyncIteration from None
@@ -243,7 +254,7 @@ class RolloutStream:
     def buffered_groups(self) -> int:
         """Complete groups waiting for the trainer: not yet batched, in a batch the queue has no room
         for, or in the queue."""
-        queued = self._send.statistics().current_buffer_used + (1 if self._sending else 0)
+        queued = self._send.statistics().current_buffer_used + (1 if self._unsent is not None else 0)
         return len(self.groups.ready) + queued * self.config.batch_groups
 
     @property
@@ -359,11 +370,11 @@ class RolloutStream:
                         return
                     await self._wait_change()
                 groups = self.groups.take(B)
-                self._sending = True
+                self._unsent = groups
                 try:
                     await self._send.send(groups)  # blocks while the queue is full: backpressure
+                    self._unsent = None  # in the queue, or taken by a receiver
                 finally:
-                    self._sending = False
                     self._poke()
 
     @property
