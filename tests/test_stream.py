@@ -163,6 +163,28 @@ async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
             await s.__anext__()
 
 
+async def test_a_trainer_that_raises_loses_no_finished_group() -> None:
+    # The trainer's own error ends the block: it propagates, and what was finished or in flight is
+    # still on the stream (unconsumed / leftover) for whoever catches it.
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    async with rt:
+        consumed: list[str] = []
+        with pytest.raises(ZeroDivisionError):
+            async with rollout_stream(rt, feed(100), StreamConfig(batch_groups=1, active=8, max_queued_batches=1)) as s:
+                async for batch in s:
+                    consumed += [t.uid for t in batch.trajectories]
+                    with anyio.fail_after(10):
+                        while s.buffered_groups < 2 or s.in_flight:
+                            await anyio.sleep(0.01)
+                    1 / 0
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        assert s.unconsumed  # the queue's batch and the one waiting to be sent
+        every = consumed + [t.uid for g in s.unconsumed for t in g] + [x.uid for x in s.leftover]
+        admitted = s.counts["groups_admitted"]
+        assert sorted(every) == sorted(f"p{i}_{k}" for i in range(admitted) for k in range(2))
+
+
 class FailingUpdateEngine(FakeEngine):
     """Refuses one weight update (after the requests in flight were ended for it)."""
 

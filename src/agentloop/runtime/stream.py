@@ -428,15 +428,22 @@ async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any
     # flight made full collections stall the event loop for ~0.5 s each on the H200 host.
     async with runtime._step_lock:  # no step runs while the stream holds the engines awake
         try:
+            trainer_error: Exception | None = None
             with frozen_heap(stream.scfg.gc_freeze):
-                async with anyio.create_task_group() as tg:
-                    await stream._open(weights, tg)
-                    try:
-                        yield stream
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            await stream._close()
-            stream._collect_unconsumed()
+                try:
+                    async with anyio.create_task_group() as tg:
+                        await stream._open(weights, tg)
+                        try:
+                            yield stream
+                        except Exception as e:  # re-raised below as itself, not in the task group's ExceptionGroup
+                            trainer_error = e
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await stream._close()
+                finally:  # also when the trainer's block raised: what finished is kept on the stream
+                    stream._collect_unconsumed()
+            if trainer_error is not None:
+                raise trainer_error
         finally:
             with anyio.CancelScope(shield=True):
                 await runtime.lifecycle.sleep()
