@@ -4,6 +4,8 @@ re-admission, against in-memory engines and a recording gate."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from agentloop.engine.base import EngineError
@@ -148,3 +150,73 @@ async def test_records_since_gives_one_calls_stages() -> None:
     woke.clear()  # a copy: the lifecycle's records are untouched
     assert len(lc.records_since(mark)) == 3 and lc.records_since(lc.record_mark()) == []
     lc.close()
+
+
+async def test_lease_renewal_takes_out_a_server_no_longer_ours_and_never_marks_it_ours() -> None:
+    # A restarted server (awake, its own weights, no mark) must not be re-marked as ours by the lease
+    # renewal that runs beside a rollout: the mark would name weights it does not serve.
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, gates = fleet(a, b)
+    await f.attach()
+    b.weight_version = "default"  # restarted
+    await f.renew_leases(1.0)
+    assert f.urls == ["http://a"] and "no longer held by this runtime" in f.out_of_rotation["http://b"]
+    assert b.weight_version == "default" and ("take_out", "http://b") in gates.calls
+    assert MemoryMark.decode(a.weight_version).lease is not None  # ours still carries the lease
+
+
+async def test_an_answer_says_whether_its_server_is_still_ours() -> None:
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, _ = fleet(a, b)
+    await f.attach()
+    assert f.answer_lost("http://a", a.weight_version) is None
+    assert f.answer_lost("http://zzz", "anything") is None  # not one of this fleet's
+    taken = MemoryMark("v1", frozenset(), lease=MemoryMark.decode(a.weight_version).lease)
+    assert f.answer_lost("http://a", taken.encode()) is None  # ours, written again (another text)
+    assert "set to 'rogue' by someone else" in (f.answer_lost("http://b", "rogue") or "")
+
+
+class AnsweringEngine(MemEngine):
+    """Answers every generate with the weight version it reports; `during` runs before it answers."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.during: Any = None
+
+    async def generate(self, input_ids, sampling_params, *, rid=None, timeout=None):  # noqa: ANN001
+        from agentloop.engine.base import GenerateOutput
+
+        if self.during is not None:
+            await self.during()
+        return GenerateOutput([7, 8], [-0.5, -0.5], {"type": "length", "length": 2}, self.weight_version, rid or "")
+
+
+async def test_the_gate_drops_an_answer_from_a_server_no_longer_ours() -> None:
+    from agentloop.engine.base import EngineUnavailable, SamplingParams
+    from agentloop.engine.gate import Gate
+
+    a = AnsweringEngine("http://a")
+    gate = Gate([a], awake=True, check_answer=lambda url, v: None if v == "ours" else f"{url} answered {v}")
+    a.weight_version = "ours"
+    assert (await gate.generate("http://a", [1], SamplingParams(max_new_tokens=2))).output_ids == [7, 8]
+    a.weight_version = "restarted"
+    with pytest.raises(EngineUnavailable, match="answered restarted.*its answer was dropped"):
+        await gate.generate("http://a", [1], SamplingParams(max_new_tokens=2))
+    assert gate.urls == [] and gate.in_flight() == 0
+
+
+async def test_the_gate_drops_an_answer_that_arrives_after_its_server_was_taken_out() -> None:
+    # The take-out's cancel lands at the request's next await; an answer already received must not
+    # slip through in between.
+    from agentloop.engine.base import EngineUnavailable, SamplingParams
+    from agentloop.engine.gate import Gate
+
+    a = AnsweringEngine("http://a")
+    gate = Gate([a], awake=True)
+
+    async def taken_out_meanwhile() -> None:
+        await gate.take_out("http://a", "restarted with other weights")
+
+    a.during = taken_out_meanwhile
+    with pytest.raises(EngineUnavailable, match="restarted with other weights.*its answer was dropped"):
+        await gate.generate("http://a", [1], SamplingParams(max_new_tokens=2))

@@ -10,14 +10,17 @@ in pieces of different versions), and no generate left a client outside AWAKE.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from agentloop.engine.lifecycle import EngineState
+from agentloop.engine.lifecycle import EngineState, LifecycleError
 from agentloop.engine.sglang import SGLangClient
 from agentloop.models.random_model import make_random_model
 from agentloop.runtime import Runtime
@@ -146,3 +149,76 @@ async def test_kv_on_update_decides_whether_the_load_flushes_the_prefix_cache(
 def test_kv_on_update_is_validated() -> None:
     with pytest.raises(ValueError, match="kv_on_update must be 'recompute' or 'reuse'"):
         StreamConfig(batch_groups=1, active=2, kv_on_update="keep")  # type: ignore[arg-type]
+
+
+class AnswerRecordingClient(SGLangClient):
+    """The real client, noting the whole weight version of every generate answer."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.answered: list[str] = []
+
+    async def generate(self, *args: Any, **kw: Any) -> Any:
+        out = await super().generate(*args, **kw)
+        self.answered.append(out.weight_version)
+        return out
+
+
+@pytest.mark.slow
+async def test_a_server_whose_weights_change_behind_the_stream_never_reaches_a_batch(
+        models: tuple[Path, Path], pool: EnginePool) -> None:
+    # Mid-stream, someone else loads other weights into one of two servers (what a restart on the same
+    # port also looks like: weights the stream did not load, a version without its lease). Every answer
+    # from it after that is dropped and the server taken out; the stream goes on with the other, and
+    # every trained token is the stream's weights' (logprobs recomputed under them).
+    from transformers import AutoModelForCausalLM
+
+    a_dir, b_dir = models
+    trajs = []
+    async with pool.servers(2) as procs:
+        clients = [AnswerRecordingClient(p.url) for p in procs]
+        rt = Runtime({"engine": {"tokenizer": str(a_dir)}, "scheduler": {"n": 2}}, clients=clients)
+        async with rt:
+            weights = load_file(str(b_dir / "model.safetensors"))
+            async with rollout_stream(rt, replay_feed(16), StreamConfig(batch_groups=1, active=8), weights=weights) as s:
+                ours = s.weight_version
+                async for batch in s:
+                    trajs += batch.trajectories
+                    if batch.index == 2:
+                        async with SGLangClient(procs[1].url) as rogue:
+                            await rogue.update_weights_from_disk(str(a_dir), weight_version="rogue", flush_cache=True)
+                m = s.metrics
+            out = rt.lifecycle.out_of_rotation
+    assert list(out) == [procs[1].url] and "by someone else" in out[procs[1].url]
+    assert any(v.startswith("rogue") for v in clients[1].answered)  # its answers came, and were dropped
+    assert m["batches"] == 16 and all(t.status == "completed" and sum(t.response_mask) == 24 for t in trajs)
+    assert {tr.weight_version for t in trajs for tr in t.turns} == {ours}
+    model = AutoModelForCausalLM.from_pretrained(str(b_dir), torch_dtype=torch.float32).eval()
+    worst = 0.0
+    for t in trajs:
+        lps = logprobs_under(model, t.prompt_ids, t.response_ids)
+        worst = max([worst] + [abs(lps[r] - t.response_logprobs[r]) for tr in t.turns for r in range(tr.start, tr.start + tr.length)])
+    assert worst < 2e-3, f"a trained token's logprob differs by {worst} from the stream's weights'"
+
+
+@pytest.mark.slow
+async def test_a_dead_fleet_ends_the_stream_with_the_error(models: tuple[Path, Path], pool: EnginePool) -> None:
+    # The only server dies mid-stream. The trainer is told (the liveness probe's error, naming the
+    # server), soon, instead of waiting while every prompt of the feeder fails one after another.
+    a_dir, _ = models
+    consumed: list[str] = []
+    async with pool.servers(1) as (proc,):
+        rt = Runtime({"engine": {"tokenizer": str(a_dir), "request_timeout": 30}, "scheduler": {"n": 2}},
+                     clients=[SGLangClient(proc.url)])
+        async with rt:
+            with anyio.fail_after(90), pytest.raises(LifecycleError, match="no engine server left") as ei:
+                async with rollout_stream(rt, replay_feed(1000), StreamConfig(batch_groups=1, active=8)) as s:
+                    async for batch in s:
+                        consumed += [t.uid for t in batch.trajectories]
+                        if batch.index == 2:
+                            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.url in str(ei.value)
+    m = s.metrics
+    assert s.counts["groups_admitted"] < 40 and m["groups_failed"] >= 1  # the feeder was not run through
+    every = consumed + [t.uid for g in s.unconsumed for t in g] + [x.uid for x in s.leftover]
+    assert len(set(every)) == len(every) and len(consumed) >= 4  # nothing twice

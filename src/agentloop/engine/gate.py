@@ -85,7 +85,11 @@ class Gate:
     """The gate of one process over `clients` (see the module docstring).
 
     `on_generate(url, state)` is an instrumentation hook called right before each dispatch;
-    `on_take_out(url, reason)` is awaited when a server leaves the rotation.
+    `on_take_out(url, reason)` is awaited when a server leaves the rotation. `check_answer(url,
+    weight_version)` is called with the whole weight version each answer reports and returns why that
+    server is no longer the owner's (restarted with its own weights, or taken over by another
+    runtime), or None: such an answer is dropped, the server taken out and the request retried
+    elsewhere, so no token of unknown weights reaches a trajectory.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Gate:
         out: Mapping[str, str] | None = None,
         on_generate: Callable[[str, EngineState], None] | None = None,
         on_take_out: Callable[[str, str], Awaitable[None]] | None = None,
+        check_answer: Callable[[str, str], str | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._all: dict[str, EngineClient] = {c.url: c for c in clients}
@@ -104,6 +109,7 @@ class Gate:
         self._members: dict[str, _Member] = {c.url: _Member(c) for c in clients if c.url not in self.out}
         self.on_generate = on_generate
         self.on_take_out = on_take_out
+        self.check_answer = check_answer
         self.clock = clock
         self._state = EngineState.AWAKE if awake else EngineState.SLEEPING
         self._open_event = anyio.Event()
@@ -244,15 +250,26 @@ class Gate:
         drains = self.update_drains
         scope = anyio.CancelScope()
         m.scopes.add(scope)
+        lost: str | None = None
         try:
             with scope:
                 out = await m.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
                 m.progress = self.clock()
-                out.weight_version = served_version(out.weight_version)  # the lifecycle's mark is not a version
-                if drains != self.update_drains and out.aborted:
-                    out.interrupted_for_update = True
-                    self.interrupted_for_update += 1
-                return out
+                if self._members.get(url) is not m:
+                    # taken out while this answer was on its way (a cancel lands at the next await, not
+                    # on a result already received): the server may serve weights this runtime did not load
+                    raise EngineUnavailable("/generate", None, f"{self._gone(url)}; its answer was dropped", url=url)
+                if self.check_answer is not None and out.weight_version:
+                    lost = self.check_answer(url, out.weight_version)
+                if lost is None:
+                    out.weight_version = served_version(out.weight_version)  # the lifecycle's mark is not a version
+                    if drains != self.update_drains and out.aborted:
+                        out.interrupted_for_update = True
+                        self.interrupted_for_update += 1
+                    return out
+            if lost is not None:  # sampled by weights this runtime did not load: dropped, retried elsewhere
+                await self.take_out(url, lost)
+                raise EngineUnavailable("/generate", None, f"{self._gone(url)}; its answer was dropped", url=url)
             # only reached when `take_out` cancelled the scope: the router retries on another server
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)
         finally:

@@ -15,7 +15,13 @@ same coroutines). What happens:
   meanwhile), finishes a failed sleep if one is pending, and wakes the engines with the staged
   wake-up; the gate opens only once that is complete, so the first generate waits for it. On close
   every running trajectory is stopped (its partial kept on `leftover`) and the engines sleep again,
-  so the runtime's next `step` starts SLEEPING as always.
+  so the runtime's next `step` starts SLEEPING as always. Groups finished and not taken are on
+  `unconsumed`, also when the trainer's own error ends the block (raised as itself).
+- **Engines that die**: a failed trajectory runs the lifecycle's liveness probe (at most once per
+  `ENGINE_CHECK_INTERVAL`); with no server left the stream stops admitting and the trainer's next
+  batch raises that `LifecycleError`. A server restarted (or taken over) mid-stream is taken out by
+  the gate at its first answer, which is dropped (`Gate.check_answer`), and the stream goes on with
+  the others.
 - **Admission (the feeder)**: a prompt is drawn from `feeder` (Samples or dataset rows; an iterator
   or an async iterator) and its `n` members start whenever fewer than `active` trajectories are in
   flight, the queue to the trainer is not full (backpressure: a trainer that stops consuming stops
@@ -58,7 +64,7 @@ import anyio
 import anyio.abc
 
 from ..batch import collate
-from ..engine.lifecycle import EngineState, Lifecycle, Weights
+from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
 from ..scheduler.gc_scope import collector_paused, frozen_heap
@@ -75,6 +81,8 @@ __all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", 
 #: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
 #: being resumed again: an engine that aborts everything must not loop a trajectory forever.
 MAX_RESUMES = 100
+#: Seconds between two liveness probes that failed trajectories ask for (`RolloutStream._check_engines`).
+ENGINE_CHECK_INTERVAL = 1.0
 
 
 class RolloutStream:
@@ -116,6 +124,8 @@ class RolloutStream:
         #: is full (the stream closing) drops its item, so `_collect_unconsumed` keeps it from here
         self._unsent: list[list[Trajectory]] | None = None
         self._update_lock = anyio.Lock()
+        self._engine_check_lock = anyio.Lock()
+        self._engine_checked = float("-inf")
         self._updating = False
         self._closing = False
         self._exhausted = False
@@ -278,7 +288,7 @@ class RolloutStream:
 
     def _admissible(self, n: int) -> bool:
         c = self.config
-        if self._closing or self._updating:
+        if self._closing or self._updating or self._error is not None:
             return False
         if self.in_flight + n > c.active and self.in_flight > 0:
             return False
@@ -356,9 +366,26 @@ class RolloutStream:
             self.in_flight -= 1
             self._poke()
         self.counts["trajectories_finished"] += 1
+        if traj.status == "failed" and not self._closing:
+            await self._check_engines()
         if self.groups.finish(group, i, traj):
             self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
         self._poke()
+
+    async def _check_engines(self) -> None:
+        """After a failed trajectory: the liveness probe (at most one per `ENGINE_CHECK_INTERVAL`). With
+        no engine server left the stream stops admitting and the trainer gets the error at its next
+        batch; without this a dead fleet would fail every prompt the feeder has, one after another."""
+        async with self._engine_check_lock:
+            if self._error is not None or time.monotonic() - self._engine_checked < ENGINE_CHECK_INTERVAL:
+                return
+            try:
+                await self.rt.lifecycle.check_liveness()
+            except LifecycleError as e:
+                log.error("rollout stream: %s", e)
+                self._error = e
+                self._poke()
+            self._engine_checked = time.monotonic()
 
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:

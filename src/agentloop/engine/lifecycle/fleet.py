@@ -10,7 +10,9 @@ lease, is taken out of rotation (one log line, every gate told) while the others
 server is left does the probe fail, with a `LifecycleError` naming each server and why. Before each
 wake-up the servers out of rotation are probed too: one that answers (restarted, or no longer hung)
 is re-admitted in the memory state it really is in (`ServerDriver.acquire`), put to sleep like the
-others (`sleep_alone`), and woken with the step's weights.
+others (`sleep_alone`), and woken with the step's weights. Between those probes the lease renewal
+(`renew_leases`) reads each mark back before writing it, and the gate asks `answer_lost` about every
+generate answer's weight version: a server that lost this lifecycle's mark is taken out either way.
 """
 
 from __future__ import annotations
@@ -260,14 +262,29 @@ class Fleet:
 
     # ------------------------------------------------------------------ leases in the marks
     async def renew_leases(self, timeout: float) -> None:
-        """Rewrite every mark in rotation (renewing the lease when half gone); failures only logged:
-        the next stage says what is wrong."""
+        """Rewrite every mark in rotation (renewing the lease when half gone), after reading it back: a
+        server no longer ours (restarted, taken over) is taken out, never re-marked as ours (its weights
+        are not the ones the mark would name). Other failures are only logged: the next stage says
+        what is wrong."""
         for d in self.in_rotation():
             try:
                 with anyio.fail_after(timeout):
-                    await d.mark()
+                    lost = d.lost(await d.probe())
+                    if lost is None:
+                        await d.mark()
             except (*PROBE_ERRORS, LifecycleError) as e:
                 log.warning("engine server %s: could not renew this runtime's lease (%s)", d.url, short_error(e))
+                continue
+            if lost is not None:
+                await self.take_out(d.url, lost)
+
+    def answer_lost(self, url: str, weight_version: str) -> str | None:
+        """Why a generate answer's whole weight version says `url` is no longer this lifecycle's
+        (`ServerDriver.lost`), or None. The gate drops such an answer and takes the server out."""
+        d = self.drivers.get(url)
+        if d is None or not d.leased or weight_version == d.mark_text:
+            return None
+        return d.lost({"weight_version": weight_version})
 
     async def clear_leases(self) -> None:
         """After the owner let go: marks lose the lease (a server woken completely reports its plain

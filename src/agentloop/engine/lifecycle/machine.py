@@ -78,7 +78,8 @@ class Lifecycle:
         for d in drivers:
             d.released = set() if awake else set(self.settings.release_tags)
         #: The gate of this process: the one road to generate and /health (its router's).
-        self.gate = Gate(clients, awake=awake, on_generate=on_generate, on_take_out=lambda url, why: self.fleet.take_out(url, why))
+        self.gate = Gate(clients, awake=awake, on_generate=on_generate, on_take_out=lambda url, why: self.fleet.take_out(url, why),
+                         check_answer=lambda url, version: self.fleet.answer_lost(url, version))
         self.fleet = Fleet(drivers, [self.gate], stage_timeout=stage_timeout, settle_timeout=settle_timeout)
         self._transition_lock = anyio.Lock()
         self._last_weights: Weights | None = None
@@ -379,6 +380,15 @@ class Lifecycle:
         self.owner.holding = False
         await self.fleet.clear_leases()
         self.close()
+
+    async def check_liveness(self) -> None:
+        """The liveness probe now, while AWAKE (a caller that saw requests fail and will not sleep soon:
+        the streaming mode): servers in rotation that do not answer, or are no longer this lifecycle's,
+        are taken out; raises `LifecycleError` naming each server and why when none is left."""
+        async with self._transition_lock:
+            if not self.fleet.in_rotation():
+                raise self.fleet.no_server_left("liveness")
+            await self.fleet.probe(readmit=False)
 
     async def keep_lease(self) -> None:
         """Renew this lifecycle's lease in its servers' marks until cancelled (run it beside a step's
