@@ -237,6 +237,29 @@ def test_sync_stream_and_errors() -> None:
         StreamConfig(batch_groups=1, active=1, stale_policy="keep")  # type: ignore[arg-type]
 
 
+async def test_a_feeder_that_raises_ends_the_stream_with_its_error_and_keeps_what_ran() -> None:
+    # A dataset iterator that fails (a shard it cannot read): the trainer gets that error, as itself,
+    # and what the stream had admitted is consumed, unconsumed or leftover, not torn down.
+    def shards():
+        for i, sample in enumerate(feed(100)):
+            if i == 6:
+                raise OSError("shard 3 unreadable")
+            yield sample
+
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    async with rt:
+        consumed: list[str] = []
+        with pytest.raises(OSError, match="shard 3 unreadable"):
+            async with rollout_stream(rt, shards(), StreamConfig(batch_groups=1, active=4)) as s:
+                async for batch in s:
+                    consumed += [t.uid for t in batch.trajectories]
+        assert rt.lifecycle.state is EngineState.SLEEPING
+    every = consumed + [t.uid for g in s.unconsumed for t in g] + [x.uid for x in s.leftover]
+    assert s.counts["groups_admitted"] == 6
+    assert sorted(every) == sorted(f"p{i}_{k}" for i in range(6) for k in range(2))
+
+
 @pytest.mark.parametrize("flag", [False, True])
 async def test_gc_freeze_holds_for_the_stream_and_is_undone_at_close(flag: bool) -> None:
     """`scheduler.gc_freeze` freezes the heap once for the stream's life (not per trajectory) and unfreezes at

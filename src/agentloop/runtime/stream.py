@@ -303,8 +303,10 @@ class RolloutStream:
     async def _admit(self) -> None:
         try:
             await self._admit_loop()
-        except (TypeError, ValueError) as e:  # a bad prompt from the feeder: the trainer hears it at its next batch
-            log.error("rollout stream: %s", e)
+        except Exception as e:  # noqa: BLE001 - a bad prompt, or the feeder itself raised: the trainer
+            # hears it (as itself) at its next batch; what runs and what finished is kept, not torn down
+            log.error("rollout stream: admission stopped after %d prompts: %s: %s",
+                      self.counts["groups_admitted"], type(e).__name__, e)
             self._error = e
             self._poke()
 
