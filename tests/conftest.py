@@ -26,6 +26,26 @@ from engine_pool import EnginePool
 # Engine subprocesses of the test suite run with one torch thread: the CI machine has 2 cores.
 ENGINE_TEST_ARGS: tuple[str, ...] = ("--num-threads", "1", "--log-level", "warning")
 
+#: Seconds the longest test files took in one full run of the README's command (`--durations=0`,
+#: summed per file, 2026-12-06). xdist's `--dist loadfile` hands whole files to its workers in
+#: collection order, so the longest go first (longest-processing-time-first) and the run does not end
+#: waiting on one long file that started last. Files not listed keep their order after these.
+FILE_SECONDS: dict[str, float] = {
+    "test_distributed.py": 221, "test_cli_ray.py": 155, "test_benchmarks_smoke.py": 130, "test_docs_code.py": 105,
+    "test_engine_faults.py": 105, "test_cli_rollout.py": 93, "test_launch.py": 60, "test_stream_engine.py": 55,
+    "test_engine_owner.py": 50, "test_tool_faults.py": 47, "test_tool_isolation.py": 43, "test_cli_rollout_faults.py": 40,
+    "test_python_sandbox.py": 33, "test_soak_smoke.py": 33, "test_local_engine_sglang_parity.py": 32,
+    "test_tiny_model.py": 32, "test_local_engine.py": 29, "test_runtime.py": 28, "test_example_grpo_gpu.py": 27,
+    "test_engine_tether.py": 27, "test_integrations_verl.py": 23, "test_example_grpo_stream.py": 21,
+    "test_python_sandbox_kernel.py": 21, "test_example_grpo.py": 21, "test_serve_weight_bounds.py": 19,
+    "test_clone_layout.py": 18, "test_openai_agent.py": 16, "test_runtime_api.py": 16,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # a stable sort: each file's tests keep their order, and files of equal weight theirs
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0.0))
+
 
 def _run(make: Callable[[], Awaitable[Any]]) -> Any:
     """Run a coroutine to completion on a fresh loop in a helper thread: works from sync fixtures
