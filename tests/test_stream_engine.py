@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -222,3 +223,27 @@ async def test_a_dead_fleet_ends_the_stream_with_the_error(models: tuple[Path, P
     assert s.counts["groups_admitted"] < 40 and m["groups_failed"] >= 1  # the feeder was not run through
     every = consumed + [t.uid for g in s.unconsumed for t in g] + [x.uid for x in s.leftover]
     assert len(set(every)) == len(every) and len(consumed) >= 4  # nothing twice
+
+
+@pytest.mark.slow
+async def test_a_hung_fleet_ends_the_stream_within_the_hung_timeout(models: tuple[Path, Path], pool: EnginePool) -> None:
+    # SIGSTOP: the server neither answers nor refuses, so no trajectory fails before request_timeout
+    # (and the router keeps the last server). The stream's watchdog probes it after hung_timeout.
+    a_dir, _ = models
+    async with pool.servers(1) as (proc,):
+        rt = Runtime({"engine": {"tokenizer": str(a_dir), "request_timeout": 300, "hung_timeout": 2, "liveness_timeout": 1},
+                      "scheduler": {"n": 2}}, clients=[SGLangClient(proc.url)])
+        try:
+            async with rt:
+                stopped_at = float("inf")
+                with anyio.move_on_after(60), pytest.raises(LifecycleError, match="failed the liveness probe") as ei:
+                    async with rollout_stream(rt, replay_feed(1000), StreamConfig(batch_groups=1, active=8)) as s:
+                        async for batch in s:
+                            if batch.index == 2:
+                                os.kill(proc.pid, signal.SIGSTOP)
+                                stopped_at = time.monotonic()
+                # the trainer heard it from the stream (not from the close's sleep after a minute's wait)
+                assert time.monotonic() - stopped_at < 30
+                assert proc.url in str(ei.value) and s.counts["groups_admitted"] < 40
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)

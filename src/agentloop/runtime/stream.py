@@ -17,7 +17,8 @@ same coroutines). What happens:
   every running trajectory is stopped (its partial kept on `leftover`) and the engines sleep again,
   so the runtime's next `step` starts SLEEPING as always. Groups finished and not taken are on
   `unconsumed`, also when the trainer's own error ends the block (raised as itself).
-- **Engines that die**: a failed trajectory runs the lifecycle's liveness probe (at most once per
+- **Engines that die or hang**: a failed trajectory, or a server silent for `engine.hung_timeout`
+  with requests in flight, runs the lifecycle's liveness probe (at most once per
   `ENGINE_CHECK_INTERVAL`); with no server left the stream stops admitting and the trainer's next
   batch raises that `LifecycleError`. A server restarted (or taken over) mid-stream is taken out by
   the gate at its first answer, which is dropped (`Gate.check_answer`), and the stream goes on with
@@ -164,6 +165,7 @@ class RolloutStream:
         tg.start_soon(self._admit)
         tg.start_soon(self._batcher)
         tg.start_soon(lc.keep_lease)
+        tg.start_soon(self._watch_engines)
 
     async def _close(self) -> None:
         """Stop admitting, stop every running trajectory (kept on `leftover`), put the engines to sleep."""
@@ -373,6 +375,20 @@ class RolloutStream:
         if self.groups.finish(group, i, traj):
             self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
         self._poke()
+
+    async def _watch_engines(self) -> None:
+        """A hung server (stopped, wedged) fails no trajectory until `engine.request_timeout`, and the
+        router keeps the last one in rotation: when a server with requests in flight answered none for
+        `engine.hung_timeout`, the liveness probe decides (a server that answers `/model_info` is only
+        slow), so a hung fleet ends the stream about then, not minutes later."""
+        hung = self.rt.config.engine.hung_timeout
+        if hung is None:
+            return
+        gate = self.rt.lifecycle.gate
+        while self._error is None:
+            await anyio.sleep(min(5.0, hung / 4))
+            if gate.stalled(hung):
+                await self._check_engines()
 
     async def _check_engines(self) -> None:
         """After a failed trajectory: the liveness probe (at most one per `ENGINE_CHECK_INTERVAL`). With
