@@ -258,8 +258,8 @@ class Gate:
                 if self._members.get(url) is not m:
                     # taken out while this answer was on its way (a cancel lands at the next await, not
                     # on a result already received): the server may serve weights this runtime did not load
-                    raise EngineUnavailable("/generate", None, f"{self._gone(url)}; its answer was dropped", url=url)
-                if self.check_answer is not None and out.weight_version:
+                    lost = self._gone(url)
+                elif self.check_answer is not None and out.weight_version:
                     lost = self.check_answer(url, out.weight_version)
                 if lost is None:
                     out.weight_version = served_version(out.weight_version)  # the lifecycle's mark is not a version
@@ -267,8 +267,8 @@ class Gate:
                         out.interrupted_for_update = True
                         self.interrupted_for_update += 1
                     return out
-            if lost is not None:  # sampled by weights this runtime did not load: dropped, retried elsewhere
-                await self.take_out(url, lost)
+            if lost is not None:  # maybe sampled by weights this runtime did not load: dropped, retried elsewhere
+                await self.take_out(url, lost)  # (a no-op for a server already out)
                 raise EngineUnavailable("/generate", None, f"{self._gone(url)}; its answer was dropped", url=url)
             # only reached when `take_out` cancelled the scope: the router retries on another server
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)

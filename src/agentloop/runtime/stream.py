@@ -17,9 +17,9 @@ same coroutines). What happens:
   every running trajectory is stopped (its partial kept on `leftover`) and the engines sleep again,
   so the runtime's next `step` starts SLEEPING as always. Groups finished and not taken are on
   `unconsumed`, also when the trainer's own error ends the block (raised as itself).
-- **Engines that die or hang**: a failed trajectory, or a server silent for `engine.hung_timeout`
-  with requests in flight, runs the lifecycle's liveness probe (at most once per
-  `ENGINE_CHECK_INTERVAL`); with no server left the stream stops admitting and the trainer's next
+- **Engines that die or hang** (`EngineWatch`, stream_engines.py): a failed trajectory, or a server
+  silent for `engine.hung_timeout` with requests in flight, runs the lifecycle's liveness probe (at
+  most once per `ENGINE_CHECK_INTERVAL`); with no server left the stream stops admitting and the trainer's next
   batch raises that `LifecycleError`. A server restarted (or taken over) mid-stream is taken out by
   the gate at its first answer, which is dropped (`Gate.check_answer`), and the stream goes on with
   the others.
@@ -65,15 +65,17 @@ import anyio
 import anyio.abc
 
 from ..batch import collate
-from ..engine.lifecycle import EngineState, Lifecycle, LifecycleError, Weights
+from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
-from ..scheduler.gc_scope import collector_paused, frozen_heap
+from ..scheduler.gc_scope import frozen_heap
 from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .stream_engines import EngineWatch
 from .stream_groups import StreamGroup, StreamGroups
 from .stream_types import StreamBatch, StreamConfig
+from .stream_updates import UpdateLog
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ __all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", 
 #: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
 #: being resumed again: an engine that aborts everything must not loop a trajectory forever.
 MAX_RESUMES = 100
-#: Seconds between two liveness probes that failed trajectories ask for (`RolloutStream._check_engines`).
+#: Seconds between two liveness probes that failed trajectories ask for (`EngineWatch`).
 ENGINE_CHECK_INTERVAL = 1.0
 
 
@@ -125,8 +127,8 @@ class RolloutStream:
         #: is full (the stream closing) drops its item, so `_collect_unconsumed` keeps it from here
         self._unsent: list[list[Trajectory]] | None = None
         self._update_lock = anyio.Lock()
-        self._engine_check_lock = anyio.Lock()
-        self._engine_checked = float("-inf")
+        self.engines = EngineWatch(runtime.lifecycle, self._stop_with, hung_timeout=runtime.config.engine.hung_timeout,
+                                   interval=ENGINE_CHECK_INTERVAL)
         self._updating = False
         self._closing = False
         self._exhausted = False
@@ -140,16 +142,10 @@ class RolloutStream:
         self.unconsumed: list[list[Trajectory]] = []
         self.counts: dict[str, int] = dict.fromkeys((
             "groups_admitted", "groups_dropped_stale", "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
-        self.update_seconds: list[float] = []
-        #: Per update: the seconds of its drain (the gates closed, every request aborted and back), of its
-        #: weight load, and this process's CPU seconds over the whole update (the interrupted trajectories
-        #: are handled meanwhile: the client is on the update's critical path).
-        self.update_drain_seconds: list[float] = []
-        self.update_load_seconds: list[float] = []
-        self.update_cpu_seconds: list[float] = []
-        #: Per update, the requests it aborted whose turns went on in place under the new weights
-        #: (`Episode.generate`); `trajectories_resumed` counts those resumed as partial rollouts instead.
-        self.update_interrupted: list[int] = []
+        #: What each in-flight update cost (`trajectories_resumed` counts trajectories resumed as partial
+        #: rollouts instead of going on in place).
+        self.updates = UpdateLog(runtime.lifecycle, flush_cache=config.kv_on_update == "recompute",
+                                 gc_paused=self.scfg.gc_freeze)
         self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
         self.t_awake: float | None = None
 
@@ -165,7 +161,7 @@ class RolloutStream:
         tg.start_soon(self._admit)
         tg.start_soon(self._batcher)
         tg.start_soon(lc.keep_lease)
-        tg.start_soon(self._watch_engines)
+        tg.start_soon(self.engines.watch)
 
     async def _close(self) -> None:
         """Stop admitting, stop every running trajectory (kept on `leftover`), put the engines to sleep."""
@@ -234,29 +230,15 @@ class RolloutStream:
             w = dataclasses.replace(w, version=self.rt.lifecycle.fresh_version())
         async with self._update_lock:
             self._updating = True
-            lc: Lifecycle = self.rt.lifecycle
-            t0, cpu0, mark = time.monotonic(), time.process_time(), lc.record_mark()
-            cut0 = self._interrupted_requests()
             try:
-                with collector_paused(self.scfg.gc_freeze):
-                    served = await lc.update_weights_drained(w, flush_cache=self.config.kv_on_update == "recompute")
+                served = await self.updates.apply(w)
             finally:
                 self._updating = False
                 self._poke()
-            self.update_seconds.append(time.monotonic() - t0)
-            recs = lc.records_since(mark)
-            self.update_drain_seconds.append(sum(r.seconds for r in recs if r.stage == "drain"))
-            self.update_load_seconds.append(sum(r.seconds for r in recs if r.stage != "drain"))
-            self.update_cpu_seconds.append(time.process_time() - cpu0)
-            self.update_interrupted.append(self._interrupted_requests() - cut0)
             self.versions.observe(served)
             self.counts["updates"] += 1
             self._poke()
             return served
-
-    def _interrupted_requests(self) -> int:
-        gate = self.rt.lifecycle.gate
-        return int(getattr(gate, "interrupted_for_update", 0))
 
     @property
     def weight_version(self) -> str | None:
@@ -273,9 +255,7 @@ class RolloutStream:
     def metrics(self) -> dict[str, Any]:
         return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
-                "update_seconds": list(self.update_seconds), "update_drain_seconds": list(self.update_drain_seconds),
-                "update_load_seconds": list(self.update_load_seconds), "update_cpu_seconds": list(self.update_cpu_seconds),
-                "update_interrupted": list(self.update_interrupted), "kv_on_update": self.config.kv_on_update,
+                **self.updates.metrics(), "kv_on_update": self.config.kv_on_update,
                 "weight_version": self.weight_version,
                 "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
 
@@ -309,8 +289,12 @@ class RolloutStream:
             # hears it (as itself) at its next batch; what runs and what finished is kept, not torn down
             log.error("rollout stream: admission stopped after %d prompts: %s: %s",
                       self.counts["groups_admitted"], type(e).__name__, e)
-            self._error = e
-            self._poke()
+            self._stop_with(e)
+
+    def _stop_with(self, error: Exception) -> None:
+        """Admission stops; the trainer gets `error` at its next batch."""
+        self._error = error
+        self._poke()
 
     async def _admit_loop(self) -> None:
         n = self.scfg.n
@@ -370,40 +354,11 @@ class RolloutStream:
             self.in_flight -= 1
             self._poke()
         self.counts["trajectories_finished"] += 1
-        if traj.status == "failed" and not self._closing:
-            await self._check_engines()
         if self.groups.finish(group, i, traj):
             self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
         self._poke()
-
-    async def _watch_engines(self) -> None:
-        """A hung server (stopped, wedged) fails no trajectory until `engine.request_timeout`, and the
-        router keeps the last one in rotation: when a server with requests in flight answered none for
-        `engine.hung_timeout`, the liveness probe decides (a server that answers `/model_info` is only
-        slow), so a hung fleet ends the stream about then, not minutes later."""
-        hung = self.rt.config.engine.hung_timeout
-        if hung is None:
-            return
-        gate = self.rt.lifecycle.gate
-        while self._error is None:
-            await anyio.sleep(min(5.0, hung / 4))
-            if gate.stalled(hung):
-                await self._check_engines()
-
-    async def _check_engines(self) -> None:
-        """After a failed trajectory: the liveness probe (at most one per `ENGINE_CHECK_INTERVAL`). With
-        no engine server left the stream stops admitting and the trainer gets the error at its next
-        batch; without this a dead fleet would fail every prompt the feeder has, one after another."""
-        async with self._engine_check_lock:
-            if self._error is not None or time.monotonic() - self._engine_checked < ENGINE_CHECK_INTERVAL:
-                return
-            try:
-                await self.rt.lifecycle.check_liveness()
-            except LifecycleError as e:
-                log.error("rollout stream: %s", e)
-                self._error = e
-                self._poke()
-            self._engine_checked = time.monotonic()
+        if traj.status == "failed" and not self._closing:
+            await self.engines.check()  # a dead fleet would fail every prompt the feeder has
 
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:

@@ -386,8 +386,6 @@ class Lifecycle:
         the streaming mode): servers in rotation that do not answer, or are no longer this lifecycle's,
         are taken out; raises `LifecycleError` naming each server and why when none is left."""
         async with self._transition_lock:
-            if not self.fleet.in_rotation():
-                raise self.fleet.no_server_left("liveness")
             await self.fleet.probe(readmit=False)
 
     async def keep_lease(self) -> None:
