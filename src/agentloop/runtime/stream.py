@@ -240,6 +240,27 @@ class RolloutStream:
             self._poke()
             return served
 
+    # Each update's cost, one entry per update (`UpdateLog`; also in `metrics`): public since before the split.
+    @property
+    def update_seconds(self) -> list[float]:
+        return self.updates.seconds
+
+    @property
+    def update_drain_seconds(self) -> list[float]:
+        return self.updates.drain_seconds
+
+    @property
+    def update_load_seconds(self) -> list[float]:
+        return self.updates.load_seconds
+
+    @property
+    def update_cpu_seconds(self) -> list[float]:
+        return self.updates.cpu_seconds
+
+    @property
+    def update_interrupted(self) -> list[int]:
+        return self.updates.interrupted
+
     @property
     def weight_version(self) -> str | None:
         return self.rt.lifecycle.weight_version
