@@ -49,13 +49,15 @@ class MemEngine:
             raise EngineError("/resume_memory_occupation", 400, "KeyError", url=self.url)
         self.released.difference_update(tags)
 
-    async def update_weights_from_tensor(self, named, *, load_format=None, weight_version=None, flush_cache=True) -> None:
+    async def update_weights_from_tensor(self, named, *, load_format=None, weight_version=None, flush_cache=True,
+                                         abort_all_requests=False) -> None:
         self._call("update_tensor", flush_cache)
         if "weights" in self.released:
             raise EngineError("/update_weights_from_tensor", 400, "weights released", url=self.url)
         self.weight_version = weight_version or self.weight_version
 
-    async def update_weights_from_disk(self, path, *, load_format=None, weight_version=None, flush_cache=True) -> None:
+    async def update_weights_from_disk(self, path, *, load_format=None, weight_version=None, flush_cache=True,
+                                       abort_all_requests=False) -> None:
         self._call("update_disk", path)
         self.weight_version = weight_version or self.weight_version
 

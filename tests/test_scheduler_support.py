@@ -93,9 +93,18 @@ class FakeEngine:
         self.calls.append("resume")
         self.released.difference_update(tags or ())
 
+    async def _update_lock(self, abort_all_requests: bool) -> None:
+        """SGLang's `model_update_lock` seen from an update: with `abort_all_requests` everything is
+        aborted first, and the load waits until no generate is in progress."""
+        if abort_all_requests:
+            self.aborted.update(self.running)
+        while self.in_flight:
+            await anyio.sleep(self.token_delay)
+
     async def update_weights_from_disk(self, model_path: str, *, load_format=None, weight_version=None,
                                        flush_cache=True, abort_all_requests=False) -> dict[str, Any]:
         self._check("/update_weights_from_disk")
+        await self._update_lock(abort_all_requests)
         self.calls.append("update")
         self.weight_version = weight_version or self.weight_version
         return {"success": True}
@@ -103,6 +112,7 @@ class FakeEngine:
     async def update_weights_from_tensor(self, named_tensors, *, load_format=None, weight_version=None,
                                          flush_cache=True, abort_all_requests=False) -> dict[str, Any]:
         self._check("/update_weights_from_tensor")
+        await self._update_lock(abort_all_requests)
         self.calls.append("update")
         self.weight_version = weight_version or self.weight_version
         return {"success": True}

@@ -36,9 +36,9 @@ same coroutines). What happens:
   token is more than η versions behind the served version is dropped or restarted
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
 - **Weights in flight** (`update_weights`, `Lifecycle.update_weights_drained`): the gates close (generates wait
-  there), every request in flight is aborted and returns with the tokens sampled so far, the weights
-  are loaded through the lifecycle (the same payloads as a staged wake-up's load; the prefix cache
-  flushed unless `kv_on_update="reuse"`) with nothing running, and the gates reopen on the new version. The gate marks each request
+  there), the load goes out with `abort_all_requests` so each server aborts every request (it returns
+  with the tokens sampled so far) and loads once none runs (the same payloads as a staged wake-up's
+  load; the prefix cache flushed unless `kv_on_update="reuse"`), and the gates reopen on the new version. The gate marks each request
   aborted across the drain (`interrupted_for_update`), and its episode goes on in place
   (`Episode.generate`): the tokens sampled so far are a piece of the turn with the old version, and
   the rest of the turn is a new request that waits at the gate and is sampled by the new weights.

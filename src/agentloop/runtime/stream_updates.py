@@ -1,6 +1,7 @@
 """One job: apply the streaming mode's in-flight weight updates through the lifecycle and keep what each
-cost — its seconds, split into the drain (the gates closed, every request aborted and back) and the
-weight load, this process's CPU seconds over it (the interrupted trajectories are handled meanwhile:
+cost — its seconds; the drain (the gates closed → every request of ours aborted and back, or the
+load's end, whichever is first) and the weight load (which waits for the server's own drain), two
+spans that overlap; this process's CPU seconds over it (the interrupted trajectories are handled meanwhile:
 the client is on the update's critical path), and the requests it interrupted, whose turns went on in
 place under the new weights (`Episode.generate`)."""
 

@@ -280,9 +280,10 @@ class Fleet:
 
     def answer_lost(self, url: str, weight_version: str) -> str | None:
         """Why a generate answer's whole weight version says `url` is no longer this lifecycle's
-        (`ServerDriver.lost`), or None. The gate drops such an answer and takes the server out."""
+        (`ServerDriver.lost`), or None. The gate drops such an answer and takes the server out. The mark
+        before the last load is still ours: a request the load's drain aborted is answered with it."""
         d = self.drivers.get(url)
-        if d is None or not d.leased or weight_version == d.mark_text:
+        if d is None or not d.leased or weight_version in (d.mark_text, d.mark_before_load):
             return None
         return d.lost({"weight_version": weight_version})
 

@@ -155,14 +155,17 @@ class Lifecycle:
                 self._waking = None
             return self.weight_version
 
-    async def _load_awake(self, w: Weights | None, phase: str, *, flush_cache: bool = True) -> str | None:
-        """While AWAKE (the transition lock held): load `w` in place unless it is already served, then
-        open the gates on the version served."""
+    async def _load_awake(self, w: Weights | None, phase: str, *, flush_cache: bool = True,
+                          abort_all: bool = False) -> str | None:
+        """While AWAKE (the transition lock held): load `w` in place unless it is already served
+        (`abort_all`: the server aborts its requests and loads once they ended), then open the gates
+        on the version served."""
         if w is not None and not self._serves(w):
             version = self._next_version(w)
             log.info("%s while AWAKE with new weights: loading them in place (%s -> %s)",
                      phase, self.weight_version, version)
-            await self.fleet.stage(phase, "update_weights", lambda d: d.load(w, version, flush_cache=flush_cache))
+            await self.fleet.stage(phase, "update_weights", lambda d: d.load(w, version, flush_cache=flush_cache,
+                                                                                   abort_all=abort_all))
             self.weight_version, self._last_weights = version, w
         await self.fleet.open_gates(self.weight_version)
         return self.weight_version
@@ -241,44 +244,74 @@ class Lifecycle:
                                      flush_cache: bool = True) -> str | None:
         """Load `weights` into AWAKE engines without a sleep, after draining them; returns the version served.
 
-        Close the gates (generates wait there) → abort every request in flight (each returns with the
-        tokens it sampled, a turn of the old version) and wait until the gates count none → load (the
-        staged wake-up's load stage, same payloads; phase "update_drained") → open the gates on the new
-        version. `flush_cache=True` flushes the prefix cache with the load, so every context is
-        prefilled again under the new weights; `False` keeps it (the KV the old weights wrote is reused
-        by the requests that follow: no re-prefill, but their tokens attend to that KV — see
-        `StreamConfig.kv_on_update`). Nothing runs during the load, so no request spans two
-        weight sets (the gates mark the aborted requests `interrupted_for_update` and their episodes
-        request the rest of each turn again, so every token's version is the one that sampled it;
-        `update_weights_in_flight` keeps them running instead, and a straddling request is labelled
-        with the newer version). SGLang's own `/pause_generation` in
-        `abort` mode polls its lock once a second while requests remain (sglang 0.5.17's tokenizer
-        manager); the gates count our requests and say when the last one returned. If the load fails,
-        the gates reopen on the old version and the error is raised.
+        Close the gates (generates wait there) → send the load with `abort_all_requests` (the staged
+        wake-up's load stage, same payloads; phase "update_drained"): the server aborts every request
+        (each returns with the tokens it sampled, a turn of the old version) and loads only once every
+        generate has ended, holding generates that arrive meanwhile until after the load (SGLang's
+        `model_update_lock`: a waiting writer blocks new readers; the CPU engine's `ModelUpdateLock`
+        is the same) → open the gates on the new version. The drain is the server's, so the aborted
+        answers travel back and are parsed here while the weights load instead of before: a request
+        sent just before the close and still on the wire is served after the load and its answer
+        reports the new version, which is what labels its tokens (`Gate.generate`). Until the load
+        returns, requests of ours still running are aborted again every 0.2 s (one that reached the
+        server between its abort and its lock would otherwise hold the load until it ends).
+        `flush_cache=True` flushes the prefix cache with the load, so every context is prefilled again
+        under the new weights; `False` keeps it (the KV the old weights wrote is reused by the requests
+        that follow: no re-prefill, but their tokens attend to that KV — see `StreamConfig.kv_on_update`).
+        No request spans two weight sets (the gates mark the aborted requests `interrupted_for_update`
+        and their episodes request the rest of each turn again, so every token's version is the one
+        that sampled it; `update_weights_in_flight` keeps them running instead, and a straddling request
+        is labelled with the newer version). Stage records: "drain" (close → the last request of ours
+        back, overlapping the load) and "update_weights". `drain_timeout` bounds the load with its
+        drain. If the load fails, the gates reopen on the old version and the error is raised.
         """
         if self.state is not EngineState.AWAKE:
             raise RuntimeError(f"update_weights_drained needs AWAKE engines; the lifecycle is {self.state.value}")
         await self.fleet.close_gates(for_update=True)
         try:
-            start = time.monotonic()
-            with anyio.fail_after(drain_timeout):
-                while self.in_flight() > 0:
-                    # again while any remain: a request sent just before the close may reach its server after an abort
-                    await self.abort(abort_all=True)
-                    with anyio.move_on_after(0.2):
-                        for url in self.urls:
-                            await self.gate.wait_settled(url, 0.2)
-            self.fleet.records.append(StageRecord("update_drained", "drain", start, time.monotonic(),
-                                                  {"servers": len(self.urls)}))
             async with self._transition_lock:
                 if self._state is not EngineState.AWAKE:
-                    raise LifecycleError("update_drained", f"the engines became {self._state.value} during the drain")
-                return await self._load_awake(Weights.coerce(weights), "update_drained", flush_cache=flush_cache)
+                    raise LifecycleError("update_drained", f"the engines became {self._state.value} before the drain")
+                done: dict[str, Any] = {}
+
+                async def load() -> None:
+                    try:
+                        with anyio.fail_after(drain_timeout):
+                            done["served"] = await self._load_awake(Weights.coerce(weights), "update_drained",
+                                                                    flush_cache=flush_cache, abort_all=True)
+                    except Exception as e:  # raised below as itself, not in the task group's ExceptionGroup
+                        done["error"] = e
+                    finally:
+                        tg.cancel_scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._abort_until_back, time.monotonic())
+                    tg.start_soon(load)
+                if "error" in done:
+                    raise done["error"]
+                return done["served"]
         except BaseException:
             with anyio.CancelScope(shield=True):
                 if self.state is EngineState.AWAKE:
                     await self.fleet.open_gates(self.weight_version)
             raise
+
+    async def _abort_until_back(self, start: float) -> None:
+        """The drain's client side: abort stragglers every 0.2 s while requests of ours are out. Records
+        the drain: close → the last one back, or → the load's end (cancelled) with `left` still out."""
+        try:
+            while self.in_flight() > 0:
+                with anyio.move_on_after(0.2):
+                    for url in self.urls:
+                        await self.gate.wait_settled(url, 0.2)
+                if self.in_flight() > 0:
+                    try:
+                        await self.abort(abort_all=True)
+                    except LifecycleError as e:  # the load's own abort still drains that server
+                        log.warning("update_drained: re-abort failed (%s)", e)
+        finally:
+            self.fleet.records.append(StageRecord("update_drained", "drain", start, time.monotonic(),
+                                                  {"servers": len(self.urls), "left": self.in_flight()}))
 
     async def update_weights_in_flight(self, weights: WeightsLike,
                                        *, pause_mode: Literal["retract", "in_place"] = "retract") -> str | None:

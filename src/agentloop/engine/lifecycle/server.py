@@ -73,6 +73,8 @@ class ServerDriver:
         self.marks = True
         #: the weight version string the server reports now, as last written or read
         self.mark_text: str | None = None
+        #: The mark the server reported before the last load (`Fleet.answer_lost`).
+        self.mark_before_load: str | None = None
         #: what the first attach found (restored by `restore`)
         self.found: MemoryMark | None = None
         #: left asleep on purpose (`park`): recorded in its mark when the lifecycle lets it go
@@ -134,16 +136,18 @@ class ServerDriver:
         return MemoryMark(version, frozenset(self.released), lease=self.owner.held_lease()).encode()
 
     # ------------------------------------------------------------------ memory calls
-    async def load(self, w: Weights, version: str, *, flush_cache: bool = True) -> None:
+    async def load(self, w: Weights, version: str, *, flush_cache: bool = True, abort_all: bool = False) -> None:
         """Load `w` as `version` (`flush_cache=False` while requests are paused in the engine: SGLang
-        asserts its flush succeeds after an update, and a flush fails while any request is queued)."""
+        asserts its flush succeeds after an update, and a flush fails while any request is queued;
+        `abort_all`: the server aborts every request first and loads once they ended)."""
         sent = self.load_version(version)
         if w.state_dict is not None:
             await self.client.update_weights_from_tensor(
-                list(w.state_dict.items()), load_format=w.load_format, weight_version=sent, flush_cache=flush_cache)
+                list(w.state_dict.items()), load_format=w.load_format, weight_version=sent, flush_cache=flush_cache,
+                abort_all_requests=abort_all)
         elif w.path is not None:
             await self.client.update_weights_from_disk(w.path, load_format=w.load_format, weight_version=sent,
-                                                       flush_cache=flush_cache)
+                                                       flush_cache=flush_cache, abort_all_requests=abort_all)
         else:
             raise LifecycleError("update_weights", "Weights has neither a state_dict nor a path", url=self.url)
         self._loaded(sent, version)
@@ -163,6 +167,8 @@ class ServerDriver:
         self._loaded(sent, version)
 
     def _loaded(self, sent: str, version: str) -> None:
+        # answers the server ended before this load may still be on their way, reporting the mark it had
+        self.mark_before_load = self.mark_text
         self.mark_text, self.leased, self.version = sent, MemoryMark.decode(sent).lease is not None, version
 
     async def _memory_call(self, op: Literal["release", "resume"], tags: list[str]) -> None:
