@@ -259,7 +259,9 @@ async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: Gro
                    resumed_per_update=r4(m["trajectories_resumed"] / ups),
                    trajectories_resumed=m["trajectories_resumed"], groups_dropped_stale=m["groups_dropped_stale"],
                    groups_restarted_stale=m["groups_restarted_stale"], max_buffered_groups=m["max_buffered_groups"],
-                   generations_outside_awake=m["generations_outside_awake"])
+                   generations_outside_awake=m["generations_outside_awake"],
+                   # the answer check takes a server out on a mark not ours: 0 on a healthy server
+                   servers_taken_out=len(rt.lifecycle.gate.out))
 
     out = await _measured(rt, engine, body)
     # trained tokens per second up to the last batch the trainer took (the close is after the run)
