@@ -122,3 +122,25 @@ async def test_a_request_the_servers_abort_missed_is_aborted_again() -> None:
     assert took < 2.0
     assert outs[0].aborted and outs[0].interrupted_for_update and outs[0].weight_version == old
     assert eng.loaded_at[-1] >= t0
+
+
+async def test_a_client_drain_loads_only_once_every_answer_is_back() -> None:
+    eng = WireEngine("http://a", wire=0.5)
+    lc = await awake(eng)
+    outs: list[GenerateOutput] = []
+
+    async def one(i: int) -> None:
+        outs.append(await lc.gate.generate(eng.url, [1, 2, i], LONG, rid=f"r{i}"))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(one, i)
+        while len(eng.running) < 3:
+            await anyio.sleep(0.01)
+        old = lc.weight_version
+        await lc.update_weights_drained(WEIGHTS, flush_cache=False, server_drain=False)
+        assert len(outs) == 3 and lc.in_flight() == 0
+    assert eng.load_flags[-1] is False and eng.abort_calls[0] is None
+    assert all(o.aborted and o.interrupted_for_update and o.weight_version == old for o in outs)
+    drain = [r for r in lc.records if (r.phase, r.stage) == ("update_drained", "drain")]
+    assert drain[0].detail["left"] == 0 and drain[0].seconds >= 0.5

@@ -145,7 +145,7 @@ class RolloutStream:
         #: What each in-flight update cost (`trajectories_resumed` counts trajectories resumed as partial
         #: rollouts instead of going on in place).
         self.updates = UpdateLog(runtime.lifecycle, flush_cache=config.kv_on_update == "recompute",
-                                 gc_paused=self.scfg.gc_freeze)
+                                 gc_paused=self.scfg.gc_freeze, server_drain=config.drain == "server")
         self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
         self.t_awake: float | None = None
 
@@ -277,6 +277,7 @@ class RolloutStream:
         return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
                 **self.updates.metrics(), "kv_on_update": self.config.kv_on_update,
+                "drain": self.config.drain,
                 "weight_version": self.weight_version,
                 "generations_outside_awake": self.rt.lifecycle.generations_outside_awake}
 

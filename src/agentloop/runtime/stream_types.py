@@ -13,10 +13,11 @@ from typing import Any, Literal
 from ..batch import RolloutBatch
 from ..types import Trajectory
 
-__all__ = ["KvOnUpdate", "StalePolicy", "StreamBatch", "StreamConfig"]
+__all__ = ["DrainBy", "KvOnUpdate", "StalePolicy", "StreamBatch", "StreamConfig"]
 
 StalePolicy = Literal["drop", "restart"]
 KvOnUpdate = Literal["recompute", "reuse"]
+DrainBy = Literal["server", "client"]
 
 
 @dataclass
@@ -46,6 +47,11 @@ class StreamConfig:
       (the behaviour policy, exactly); with "reuse" that policy is the new weights over a partly stale
       KV prefix, which off-policy corrections (importance ratios against the recorded logprobs)
       handle but which no single weight version reproduces.
+    - `drain`: who drains the engines for an in-flight update (`Lifecycle.update_weights_drained`).
+      "server": the load goes out with `abort_all_requests` and the server loads once its generates
+      ended (SGLang's `model_update_lock`), while this process parses the aborted answers. "client":
+      the load waits until every aborted answer is back here — for a server or proxy that does not
+      honour `abort_all_requests` with SGLang's lock (measured side by side in benchmarks/continuous.py).
     """
 
     batch_groups: int
@@ -54,6 +60,7 @@ class StreamConfig:
     max_staleness: int | None = None
     stale_policy: StalePolicy = "drop"
     kv_on_update: KvOnUpdate = "recompute"
+    drain: DrainBy = "server"
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_groups, int) or self.batch_groups < 1:
@@ -68,6 +75,8 @@ class StreamConfig:
             raise ValueError(f"StreamConfig.stale_policy must be 'drop' or 'restart', got {self.stale_policy!r}")
         if self.kv_on_update not in ("recompute", "reuse"):
             raise ValueError(f"StreamConfig.kv_on_update must be 'recompute' or 'reuse', got {self.kv_on_update!r}")
+        if self.drain not in ("server", "client"):
+            raise ValueError(f"StreamConfig.drain must be 'server' or 'client', got {self.drain!r}")
 
 
 @dataclass

@@ -19,9 +19,11 @@ __all__ = ["UpdateLog"]
 class UpdateLog:
     """Updates applied so far, one entry per update in each list."""
 
-    def __init__(self, lifecycle: Lifecycle, *, flush_cache: bool, gc_paused: bool) -> None:
+    def __init__(self, lifecycle: Lifecycle, *, flush_cache: bool, gc_paused: bool,
+                 server_drain: bool = True) -> None:
         self.lifecycle = lifecycle
         self.flush_cache = flush_cache
+        self.server_drain = server_drain
         self.gc_paused = gc_paused
         self.seconds: list[float] = []
         self.drain_seconds: list[float] = []
@@ -35,7 +37,8 @@ class UpdateLog:
         lc = self.lifecycle
         t0, cpu0, mark, cut0 = time.monotonic(), time.process_time(), lc.record_mark(), self._interrupted_requests()
         with collector_paused(self.gc_paused):
-            served = await lc.update_weights_drained(weights, flush_cache=self.flush_cache)
+            served = await lc.update_weights_drained(weights, flush_cache=self.flush_cache,
+                                                     server_drain=self.server_drain)
         self.seconds.append(time.monotonic() - t0)
         recs = lc.records_since(mark)
         self.drain_seconds.append(sum(r.seconds for r in recs if r.stage == "drain"))

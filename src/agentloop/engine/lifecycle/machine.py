@@ -241,7 +241,7 @@ class Lifecycle:
             await self.fleet.mark_sleeping()
 
     async def update_weights_drained(self, weights: WeightsLike, *, drain_timeout: float = 60.0,
-                                     flush_cache: bool = True) -> str | None:
+                                     flush_cache: bool = True, server_drain: bool = True) -> str | None:
         """Load `weights` into AWAKE engines without a sleep, after draining them; returns the version served.
 
         Close the gates (generates wait there) → send the load with `abort_all_requests` (the staged
@@ -263,7 +263,9 @@ class Lifecycle:
         that sampled it; `update_weights_in_flight` keeps them running instead, and a straddling request
         is labelled with the newer version). Stage records: "drain" (close → the last request of ours
         back, overlapping the load) and "update_weights". `drain_timeout` bounds the load with its
-        drain. If the load fails, the gates reopen on the old version and the error is raised.
+        drain. `server_drain=False`: the client drains instead (abort, and the load only once every
+        answer is back here), for a server or proxy without SGLang's `abort_all_requests` and lock.
+        If the load fails, the gates reopen on the old version and the error is raised.
         """
         if self.state is not EngineState.AWAKE:
             raise RuntimeError(f"update_weights_drained needs AWAKE engines; the lifecycle is {self.state.value}")
@@ -278,14 +280,20 @@ class Lifecycle:
                     try:
                         with anyio.fail_after(drain_timeout):
                             done["served"] = await self._load_awake(Weights.coerce(weights), "update_drained",
-                                                                    flush_cache=flush_cache, abort_all=True)
+                                                                    flush_cache=flush_cache, abort_all=server_drain)
                     except Exception as e:  # raised below as itself, not in the task group's ExceptionGroup
                         done["error"] = e
                     finally:
                         tg.cancel_scope.cancel()
 
+                if not server_drain:
+                    with anyio.fail_after(drain_timeout):
+                        start = time.monotonic()
+                        await self.abort(abort_all=True)
+                        await self._abort_until_back(start)
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._abort_until_back, time.monotonic())
+                    if server_drain:
+                        tg.start_soon(self._abort_until_back, time.monotonic())
                     tg.start_soon(load)
                 if "error" in done:
                     raise done["error"]
