@@ -23,9 +23,9 @@ said in the JSON):
 - **streaming_kv_reuse**: the same with `StreamConfig(kv_on_update="reuse")`: the prefix cache survives
   each update, so a turn cut by it goes on from the KV the old weights wrote (PipelineRL's in-flight
   update) instead of re-prefilling it.
-- **streaming_kv_reuse_client_drain**: the same with `StreamConfig(drain="client")`: each update's load
-  waits until every aborted answer is back and parsed here (before: the server drains and loads while
-  this process parses them).
+- **streaming_kv_reuse_server_drain**: the same with `StreamConfig(drain="server")`: each update's load
+  goes out with `abort_all_requests` and the server drains itself while this process parses the
+  aborted answers (the default waits until every answer is back here before the load).
 - **bare_refill**: no agentloop runtime: `active` tasks, each running one trajectory after another
   (turn, tool sleep, next turn) through the same `Lifecycle.generate` and client; a step = the next B
   groups completed. No weight updates: the ceiling a continuous mode can reach at that in-flight count.
@@ -82,12 +82,12 @@ from agentloop.runtime.stream import StreamConfig, rollout_stream  # noqa: E402
 from agentloop.scheduler.gc_scope import frozen_heap  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
-MODES = ("per_step", "over_admission", "streaming", "streaming_kv_reuse", "streaming_kv_reuse_client_drain",
+MODES = ("per_step", "over_admission", "streaming", "streaming_kv_reuse", "streaming_kv_reuse_server_drain",
          "bare_refill")
 #: The streaming runs: `streaming_kv_reuse` keeps the engine's prefix cache across each update
 #: (`StreamConfig.kv_on_update="reuse"`), `streaming` flushes it (the default); mode → (kv_on_update, drain).
-STREAMING = {"streaming": ("recompute", "server"), "streaming_kv_reuse": ("reuse", "server"),
-             "streaming_kv_reuse_client_drain": ("reuse", "client")}
+STREAMING = {"streaming": ("recompute", "client"), "streaming_kv_reuse": ("reuse", "client"),
+             "streaming_kv_reuse_server_drain": ("reuse", "server")}
 
 
 class GroupSource:
@@ -234,7 +234,7 @@ async def over_admission(rt: Runtime, engine: Any, args: argparse.Namespace, src
 
 
 async def streaming(rt: Runtime, engine: Any, args: argparse.Namespace, src: GroupSource, weights: Callable[[], Weights],
-                    active: int, *, kv_on_update: str = "recompute", drain: str = "server") -> dict[str, Any]:
+                    active: int, *, kv_on_update: str = "recompute", drain: str = "client") -> dict[str, Any]:
     B, n = args.batch_groups, args.group_size
     cfg = StreamConfig(batch_groups=B, active=active, max_staleness=args.max_staleness,
                        max_queued_batches=args.max_queued_batches, kv_on_update=kv_on_update,  # type: ignore[arg-type]
@@ -437,7 +437,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     lats = sorted({r["tool_latency_mean_s"] for r in report.get("runs", [])})
     fig, axes = plt.subplots(1, max(1, len(lats)), figsize=(5.2 * max(1, len(lats)), 4.0), squeeze=False)
     colors = {"per_step": "tab:gray", "over_admission": "tab:orange", "streaming": "tab:blue",
-              "streaming_kv_reuse": "tab:cyan", "streaming_kv_reuse_client_drain": "tab:purple",
+              "streaming_kv_reuse": "tab:cyan", "streaming_kv_reuse_server_drain": "tab:purple",
               "bare_refill": "tab:green"}
     for ax, lat in zip(axes[0], lats):
         rs = [r for r in report["runs"] if r["tool_latency_mean_s"] == lat]

@@ -169,14 +169,15 @@ def test_smoke_run_through_the_cli(long_tail_via_cli: tuple[dict, Path]) -> None
 def test_continuous_smoke(tmp_path: Path, local_engine: str) -> None:
     r = run_smoke("continuous", tmp_path, engine_url=local_engine)
     modes = {run["mode"] for run in r["runs"]}
-    assert modes == {"per_step", "over_admission", "streaming", "streaming_kv_reuse", "bare_refill"} and not r["skipped"]
+    assert modes == {"per_step", "over_admission", "streaming", "streaming_kv_reuse", "streaming_kv_reuse_server_drain",
+                     "bare_refill"} and not r["skipped"]
     for run in r["runs"]:
         assert run["steps"] == 3 and run["complete_steps"] and run["trained_tokens"] > 0, run
         assert 0 <= run["engine_has_work_fraction"] <= 1
         assert sum(run["staleness_histogram"].values()) == run["trained_tokens"]
     by = {run["mode"]: run for run in r["runs"]}
     assert set(by["per_step"]["staleness_histogram"]) == {"0"}  # a synchronous step trains on-policy tokens only
-    for mode in ("streaming", "streaming_kv_reuse"):
+    for mode in ("streaming", "streaming_kv_reuse", "streaming_kv_reuse_server_drain"):
         assert by[mode]["generations_outside_awake"] == 0 and by[mode]["update_seconds"]
         assert max(int(k) for k in by[mode]["staleness_histogram"]) <= by[mode]["max_staleness"]
     ratios = r["summary"]["0.01s"]["ratios"]

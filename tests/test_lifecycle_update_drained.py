@@ -79,7 +79,7 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
             late.append(await lc.gate.generate(eng.url, [7], SamplingParams(max_new_tokens=3), rid="late"))
 
         tg.start_soon(after_close)
-        served = await lc.update_weights_drained({"w": [1.0]}, flush_cache=False)
+        served = await lc.update_weights_drained({"w": [1.0]}, flush_cache=False, server_drain=True)
         took = time.monotonic() - t0
         assert lc.in_flight() >= 4, "the aborted answers are still on their way when the update returns"
     assert served == lc.weight_version and served is not None
@@ -116,7 +116,7 @@ async def test_a_request_the_servers_abort_missed_is_aborted_again() -> None:
         while not eng.running:
             await anyio.sleep(0.01)
         t0, old = time.monotonic(), lc.weight_version
-        await lc.update_weights_drained(WEIGHTS, flush_cache=False)
+        await lc.update_weights_drained(WEIGHTS, flush_cache=False, server_drain=True)
         took = time.monotonic() - t0
     assert eng.abort_calls and eng.abort_calls[0] is None  # abort_all, within the first 0.2 s poll
     assert took < 2.0

@@ -48,10 +48,13 @@ class StreamConfig:
       KV prefix, which off-policy corrections (importance ratios against the recorded logprobs)
       handle but which no single weight version reproduces.
     - `drain`: who drains the engines for an in-flight update (`Lifecycle.update_weights_drained`).
+      "client" (default): abort every request and load once every aborted answer is back here —
+      the drain every committed GPU measurement of streaming used (benchmarks/README.md, issue 27).
       "server": the load goes out with `abort_all_requests` and the server loads once its generates
-      ended (SGLang's `model_update_lock`), while this process parses the aborted answers. "client":
-      the load waits until every aborted answer is back here — for a server or proxy that does not
-      honour `abort_all_requests` with SGLang's lock (measured side by side in benchmarks/continuous.py).
+      ended (SGLang's `model_update_lock`) while this process parses the aborted answers. It has no
+      committed GPU result yet (one H100 run, whose JSON was lost, gave 0.74 s per update against
+      0.63 s for "client" at 768 in flight), so it is not the default; `benchmarks/continuous.py`'s
+      mode `streaming_kv_reuse_server_drain` measures the two side by side.
     """
 
     batch_groups: int
@@ -60,7 +63,7 @@ class StreamConfig:
     max_staleness: int | None = None
     stale_policy: StalePolicy = "drop"
     kv_on_update: KvOnUpdate = "recompute"
-    drain: DrainBy = "server"
+    drain: DrainBy = "client"
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_groups, int) or self.batch_groups < 1:

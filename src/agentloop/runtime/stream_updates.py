@@ -20,7 +20,7 @@ class UpdateLog:
     """Updates applied so far, one entry per update in each list."""
 
     def __init__(self, lifecycle: Lifecycle, *, flush_cache: bool, gc_paused: bool,
-                 server_drain: bool = True) -> None:
+                 server_drain: bool = False) -> None:
         self.lifecycle = lifecycle
         self.flush_cache = flush_cache
         self.server_drain = server_drain

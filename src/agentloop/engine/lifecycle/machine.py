@@ -241,31 +241,36 @@ class Lifecycle:
             await self.fleet.mark_sleeping()
 
     async def update_weights_drained(self, weights: WeightsLike, *, drain_timeout: float = 60.0,
-                                     flush_cache: bool = True, server_drain: bool = True) -> str | None:
+                                     flush_cache: bool = True, server_drain: bool = False) -> str | None:
         """Load `weights` into AWAKE engines without a sleep, after draining them; returns the version served.
 
-        Close the gates (generates wait there) → send the load with `abort_all_requests` (the staged
-        wake-up's load stage, same payloads; phase "update_drained"): the server aborts every request
-        (each returns with the tokens it sampled, a turn of the old version) and loads only once every
-        generate has ended, holding generates that arrive meanwhile until after the load (SGLang's
-        `model_update_lock`: a waiting writer blocks new readers; the CPU engine's `ModelUpdateLock`
-        is the same) → open the gates on the new version. The drain is the server's, so the aborted
-        answers travel back and are parsed here while the weights load instead of before: a request
-        sent just before the close and still on the wire is served after the load and its answer
-        reports the new version, which is what labels its tokens (`Gate.generate`). Until the load
-        returns, requests of ours still running are aborted again every 0.2 s (one that reached the
-        server between its abort and its lock would otherwise hold the load until it ends).
-        `flush_cache=True` flushes the prefix cache with the load, so every context is prefilled again
-        under the new weights; `False` keeps it (the KV the old weights wrote is reused by the requests
-        that follow: no re-prefill, but their tokens attend to that KV — see `StreamConfig.kv_on_update`).
-        No request spans two weight sets (the gates mark the aborted requests `interrupted_for_update`
-        and their episodes request the rest of each turn again, so every token's version is the one
-        that sampled it; `update_weights_in_flight` keeps them running instead, and a straddling request
-        is labelled with the newer version). Stage records: "drain" (close → the last request of ours
-        back, overlapping the load) and "update_weights". `drain_timeout` bounds the load with its
-        drain. `server_drain=False`: the client drains instead (abort, and the load only once every
-        answer is back here), for a server or proxy without SGLang's `abort_all_requests` and lock.
-        If the load fails, the gates reopen on the old version and the error is raised.
+        Close the gates (generates wait there) → abort every request in flight (each returns with the
+        tokens it sampled, a turn of the old version; aborted again every 0.2 s while any is out: a
+        request sent just before the close may reach its server after an abort) and wait until the
+        gates count none → load (the staged wake-up's load stage, same payloads; phase
+        "update_drained") → open the gates on the new version. `drain_timeout` bounds the drain and
+        the load. `flush_cache=True` flushes the prefix cache with the load, so every context is
+        prefilled again under the new weights; `False` keeps it (the KV the old weights wrote is reused
+        by the requests that follow: no re-prefill, but their tokens attend to that KV — see
+        `StreamConfig.kv_on_update`). Nothing runs during the load, so no request spans two weight
+        sets (the gates mark the aborted requests `interrupted_for_update` and their episodes request
+        the rest of each turn again, so every token's version is the one that sampled it;
+        `update_weights_in_flight` keeps them running instead, and a straddling request is labelled
+        with the newer version). SGLang's own `/pause_generation` in `abort` mode polls its lock once
+        a second while requests remain (sglang 0.5.17's tokenizer manager); the gates count our
+        requests and say when the last one returned.
+
+        `server_drain=True`: the server drains instead. The load goes out at once with
+        `abort_all_requests`; the server aborts every request and loads once every generate has ended,
+        holding generates that arrive meanwhile until after the load (SGLang's `model_update_lock`: a
+        waiting writer blocks new readers; the CPU engine's `ModelUpdateLock` is the same), so the
+        aborted answers are parsed here while the weights load. A request still on the wire at the
+        close is then served after the load, and its answer reports the new version, which labels its
+        tokens (`Gate.generate`). Not the default: see `StreamConfig.drain`.
+
+        Stage records: "drain" (close → the last request of ours back; with `server_drain`, or → the
+        load's end, overlapping it, with `left` still out) and "update_weights". If the load fails, the
+        gates reopen on the old version and the error is raised.
         """
         if self.state is not EngineState.AWAKE:
             raise RuntimeError(f"update_weights_drained needs AWAKE engines; the lifecycle is {self.state.value}")
