@@ -488,3 +488,56 @@ def test_dead_engine_server_is_taken_out(rt: RayRuntime) -> None:
     assert nxt.metrics["status_counts"]["completed"] == 4
     assert {u for t in nxt.trajectories for u in t.extra["servers"]} == {info[1]["url"]}
     assert rt.lifecycle.state is EngineState.SLEEPING
+
+
+def test_a_server_whose_weight_version_changes_behind_the_driver_is_dropped_by_the_workers(
+        ray_session: None, model_dir: Path) -> None:
+    # Someone else writes a plain weight version into one of two servers mid-step (what a restart on
+    # the same port looks like: no lease of the driver's in its answers). The worker's gate judges
+    # every answer as the driver's does (`Fleet.answer_check`): the rogue answers are dropped, the
+    # server is taken out on the worker and then on the driver, and the trajectories go on elsewhere.
+    import asyncio
+
+    runtime = RayRuntime(config(model_dir, 2), ray_config={"num_workers": 1, "worker_capacity": 4, "engine_num_cpus": 1})
+    runtime.start_sync()
+    try:
+        first = runtime.step_sync(replay_samples("r", 2))  # step 1: both servers ours
+        assert first.metrics["status_counts"]["completed"] == 4
+        info = on_portal(runtime, runtime.engine_info)
+        victim, other = info[0]["url"], info[1]["url"]
+
+        def rogue() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and runtime.router.bound().get(victim, 0) == 0:
+                time.sleep(0.01)
+            time.sleep(0.2)  # trajectories bound to it are mid-way
+
+            async def write() -> None:
+                async with SGLangClient(victim) as c:
+                    await c.update_weight_version("rogue")
+
+            asyncio.run(write())
+
+        thread = threading.Thread(target=rogue)
+        thread.start()
+        res = runtime.step_sync(replay_samples("s", 4, turns=3, latency=0.3))
+        thread.join()
+        version = runtime.lifecycle.weight_version
+        assert res.metrics["status_counts"]["completed"] == 8
+        assert {tr.weight_version for t in res.trajectories for tr in t.turns} == {version}  # no "rogue" token
+        assert "by someone else" in res.metrics["servers_removed"][victim]
+        assert runtime.lifecycle.urls == [other]
+        assert all(s["servers"] == [other] for s in on_portal(runtime, runtime.worker_stats))
+        for t in res.trajectories:
+            t.check_invariants()
+        # Step 3: the next wake-up finds the server held by nobody, takes it under the driver's lease
+        # again, wakes it with the step's weights and admits it on every worker (no stale take-out
+        # reported back by a worker puts it out again).
+        nxt = runtime.step_sync(replay_samples("t", 4, turns=3))
+        assert nxt.metrics["status_counts"]["completed"] == 8 and runtime.lifecycle.out_of_rotation == {}
+        assert sorted(runtime.lifecycle.urls) == sorted([victim, other]) and not nxt.metrics["servers_removed"]
+        assert all(sorted(s["servers"]) == sorted([victim, other]) for s in on_portal(runtime, runtime.worker_stats))
+        assert {tr.weight_version for t in nxt.trajectories for tr in t.turns} == {runtime.lifecycle.weight_version}
+        assert victim in {u for t in nxt.trajectories for u in t.extra["servers"]}
+    finally:
+        runtime.stop_sync()

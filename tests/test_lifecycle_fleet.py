@@ -176,6 +176,34 @@ async def test_an_answer_says_whether_its_server_is_still_ours() -> None:
     assert "set to 'rogue' by someone else" in (f.answer_lost("http://b", "rogue") or "")
 
 
+async def test_the_answer_check_for_other_processes_judges_as_the_fleet_does() -> None:
+    # A Ray worker's gate gets `Fleet.answer_check()`: plain data that survives pickling, and the same
+    # judgement as `answer_lost` without touching the driver's records.
+    import pickle
+
+    from agentloop.engine.lease import new_lease
+
+    a, b = MemEngine("http://a"), MemEngine("http://b")
+    f, _ = fleet(a, b)
+    await f.attach()
+    check = pickle.loads(pickle.dumps(f.answer_check()))
+    assert check.leased == {"http://a", "http://b"}
+    assert check("http://a", a.weight_version) is None
+    ours_again = MemoryMark("v1", frozenset({"kv_cache"}), lease=MemoryMark.decode(a.weight_version).lease)
+    assert check("http://a", ours_again.encode()) is None  # another text, our lease: still ours
+    assert check("http://zzz", "rogue") is None  # not a server the driver holds
+    assert "by someone else" in (check("http://b", "rogue") or "")
+    theirs = MemoryMark("v9", lease=new_lease(600.0)).encode()
+    assert (check("http://a", theirs) or "").startswith("taken over by")
+    newer = "v1~agentloop:fmt=99;released="
+    assert "newer agentloop" in (check("http://a", newer) or "")
+    assert f.drivers["http://a"].leased  # the check changed nothing of the driver's
+    await f.take_out("http://a", "hung")
+    assert f.answer_check().leased == {"http://b"}  # only servers in rotation
+    assert check("http://b", "rogue") == f.answer_lost("http://b", "rogue")  # (which marks b lost)
+    assert f.answer_check().leased == frozenset()
+
+
 class AnsweringEngine(MemEngine):
     """Answers every generate with the weight version it reports; `during` runs before it answers."""
 

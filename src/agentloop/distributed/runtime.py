@@ -187,10 +187,11 @@ class RayRollout:
         tools_ref = ray.put(self.tools) if self.tools is not None else None
         cfg_json = cfg.model_dump(mode="json")
         all_urls = [c.url for c in parts.clients]
+        answer_check = lc.fleet.answer_check()  # the servers are attached (leased) by now
 
         def make_args(index: int) -> tuple[Any, ...]:
             return (index, cfg_json, all_urls, lc.out_of_rotation, tokenizer_ref, self.tools_factory, parts.reward_fn,
-                    parts.interaction, tools_ref)
+                    parts.interaction, tools_ref, answer_check)
 
         async def server_removed(url: str, reason: str) -> None:
             """A worker took `url` out: take it out of the driver's lifecycle too (which tells every gate).

@@ -8,7 +8,10 @@ This module owns what happens inside one worker process:
   driver's sleep touches any engine. Every generate of the worker goes through it, so a worker cannot
   dispatch unless the driver's lifecycle is AWAKE, and it counts requests in flight per server, so
   the driver's sleep can wait for the workers' aborted requests to settle before it flushes and
-  releases memory.
+  releases memory. It also judges every generate answer's weight version as the driver's gate does
+  (`answer_check`, the driver's `Fleet.answer_check()`): an answer from a server that no longer carries
+  the driver's lease (restarted, or taken by another runtime) is dropped and the server taken out
+  here; the trajectory's result reports it, so the driver takes it out everywhere.
 - `PinnedRouter`: the ordinary `Router` (retries on another server, dead-server removal, per-server
   limit, gate) whose trajectories start on the server the driver's global balancer chose for them,
   and which can stop one trajectory by uid (the driver's early stop or a sleep mid-step).
@@ -32,6 +35,7 @@ import anyio
 from ..allocator import tune_allocator
 from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.gate import Gate
+from ..engine.memory_mark import AnswerCheck
 from ..engine.router import RouteSession, Router
 from ..runtime.assembly import load_tools, make_router, make_scheduler
 from ..runtime.engines import make_client
@@ -92,6 +96,7 @@ class RolloutWorker:
         reward_fn: Callable[..., Any] | None = None,
         interaction: Any = None,
         tools: Any = None,
+        answer_check: AnswerCheck | None = None,
     ) -> None:
         tune_allocator()  # this actor's process holds the trajectories' big buffers (`agentloop.allocator`)
         self.index = index
@@ -99,7 +104,11 @@ class RolloutWorker:
         self.clients = [make_client(u, self.config.engine) for u in urls]
         #: Wall-clock time of each recent generate dispatch (for checks against the driver's AWAKE windows).
         self.dispatch_times: deque[float] = deque(maxlen=100_000)
-        self.gate = Gate(self.clients, out=out, on_generate=lambda url, state: self.dispatch_times.append(time.time()))
+        #: Servers this worker's gate took out itself (an answer `answer_check` judged not the driver's),
+        #: reported with each trajectory so the driver takes them out too.
+        self.taken_out: dict[str, str] = {}
+        self.gate = Gate(self.clients, out=out, on_generate=lambda url, state: self.dispatch_times.append(time.time()),
+                         on_take_out=self._taken_out, check_answer=answer_check)
         # wall clock: timelines from workers on different machines line up
         self.router = make_router(self.gate, self.config, router_cls=PinnedRouter, clock=time.time)
         if tools is None:  # the driver's caller gave no registry: build this worker's own
@@ -107,6 +116,9 @@ class RolloutWorker:
         self.scheduler = make_scheduler(self.router, self.config, tokenizer=tokenizer, tools=tools,
                                         interaction=interaction, reward_fn=reward_fn, clock=time.time)
         self.jobs_run = 0
+
+    async def _taken_out(self, url: str, reason: str) -> None:
+        self.taken_out[url] = reason
 
     async def ready(self) -> int:
         return self.index
@@ -129,7 +141,10 @@ class RolloutWorker:
         await self.gate.take_out(url, reason)
 
     async def admit(self, url: str) -> None:
-        """The driver re-admitted `url`."""
+        """The driver re-admitted `url`: it is no longer reported as taken out (each trajectory's result
+        carries what this worker took out, which the driver takes out too)."""
+        self.taken_out.pop(url, None)
+        self.router.stats.removed.pop(url, None)
         await self.gate.admit(url)
 
     # ------------------------------------------------------------------ work
@@ -153,7 +168,7 @@ class RolloutWorker:
         if traj is None:  # cannot happen for a started job; say so instead of returning nothing
             raise RuntimeError(f"worker {self.index}: trajectory {job.uid} produced no result")
         traj.extra["worker"] = self.index
-        return {"trajectory": traj, "removed": dict(self.router.stats.removed), "worker": self.index}
+        return {"trajectory": traj, "removed": {**self.taken_out, **self.router.stats.removed}, "worker": self.index}
 
     async def stop_trajectory(self, uid: str, reason: str) -> None:
         await self.router.stop_trajectory(uid, reason)

@@ -24,11 +24,12 @@ response carries the whole string, so the gate strips it (`served_version`) befo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .lease import Lease
 
-__all__ = ["MARK_FORMAT", "MARK_SEPARATOR", "MarkFormatError", "MemoryMark", "served_version"]
+__all__ = ["MARK_FORMAT", "MARK_SEPARATOR", "AnswerCheck", "MarkFormatError", "MemoryMark", "foreign_mark",
+           "served_version"]
 
 MARK_SEPARATOR = "~agentloop:"
 """Separates the served weight version from the memory state the lifecycle records in it."""
@@ -90,3 +91,37 @@ def served_version(weight_version: str) -> str:
     `/model_info` carry the server's whole weight version string, mark included, while a runtime holds
     the server). Every place a user or trainer sees a version shows this."""
     return str(weight_version).partition(MARK_SEPARATOR)[0]
+
+
+def foreign_mark(reported: str, owner: str) -> str | None:
+    """Why the weight version `reported` (a server's, read back or in a generate answer) says the server
+    is not held by the runtime whose lease owner is `owner`; None when it is. A plain version means
+    the server's mark is gone (it restarted, or someone else set its version)."""
+    try:
+        lease = MemoryMark.decode(reported).lease
+    except MarkFormatError as e:
+        return f"its weight version was overwritten by a newer agentloop ({e})"
+    if lease is not None and lease.owner == owner:
+        return None
+    if lease is not None:
+        return f"taken over by {lease.describe()}"
+    return (f"no longer held by this runtime: its weight version was set to {reported!r} by someone else "
+            "(the server restarted, or another client wrote it)")
+
+
+@dataclass(frozen=True)
+class AnswerCheck:
+    """A gate's `check_answer` for a process that does not drive the servers (a Ray rollout worker):
+    the driver's lease owner and the servers it held with a lease when the check was made. An answer
+    from one of those whose weight version carries no lease of that owner was not sampled by weights
+    the driver loaded (the server restarted, or another runtime took it): the gate drops it and takes
+    the server out. Plain data, so it travels to the worker process; the driver's own gate asks
+    `Fleet.answer_lost`, which also updates the driver's record of the server."""
+
+    owner: str
+    leased: frozenset[str] = field(default_factory=frozenset)
+
+    def __call__(self, url: str, weight_version: str) -> str | None:
+        if url not in self.leased:
+            return None
+        return foreign_mark(weight_version, self.owner)

@@ -24,6 +24,7 @@ import anyio
 
 from ..base import EngineClient
 from ..gate import GateControl
+from ..memory_mark import AnswerCheck
 from .log import PROBE_ERRORS, log, short_error
 from .server import ServerDriver
 from .types import SLEEP_STAGES, LifecycleError, StageRecord
@@ -286,6 +287,12 @@ class Fleet:
         if d is None or not d.leased or weight_version in (d.mark_text, d.mark_before_load):
             return None
         return d.lost({"weight_version": weight_version})
+
+    def answer_check(self) -> AnswerCheck:
+        """`answer_lost`'s judgement as plain data, for gates in other processes (Ray rollout workers):
+        this lifecycle's lease owner and the servers in rotation it holds with a lease now."""
+        held = [d for d in self.in_rotation() if d.leased]
+        return AnswerCheck(held[0].owner.lease.owner if held else "", frozenset(d.url for d in held))
 
     async def clear_leases(self) -> None:
         """After the owner let go: marks lose the lease (a server woken completely reports its plain

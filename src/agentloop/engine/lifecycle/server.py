@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import anyio
 
 from ..base import EngineClient, EngineError, PauseMode
-from ..memory_mark import MarkFormatError, MemoryMark
+from ..memory_mark import MarkFormatError, MemoryMark, foreign_mark
 from .log import GENERATION_TAGS, log
 from .owner import Owner
 from .types import LifecycleError, LifecycleSettings, Weights
@@ -240,18 +240,10 @@ class ServerDriver:
         if not self.leased or "weight_version" not in info:  # (a server that reports none cannot be read back)
             return None
         reported = str(info["weight_version"])
-        try:
-            lease = MemoryMark.decode(reported).lease
-        except MarkFormatError as e:
+        why = foreign_mark(reported, self.owner.lease.owner)
+        if why is not None:
             self.leased, self.mark_text = False, reported
-            return f"its weight version was overwritten by a newer agentloop ({e})"
-        if self.owner.is_ours(lease):
-            return None
-        self.leased, self.mark_text = False, reported
-        if lease is not None:
-            return f"taken over by {lease.describe()}"
-        return (f"no longer held by this runtime: its weight version was set to {reported!r} by someone else "
-                "(the server restarted, or another client wrote it)")
+        return why
 
     # ------------------------------------------------------------------ attach
     async def acquire(self, info: Mapping[str, Any], *, initial: bool) -> None:
