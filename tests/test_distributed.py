@@ -209,6 +209,25 @@ def test_fleet_that_does_not_fit_says_why(ray_session: None, model_dir: Path) ->
     anyio.run(go)
 
 
+def test_cpu_fleet_whose_actors_cannot_be_placed_says_why(ray_session: None, model_dir: Path) -> None:
+    # No placement group for CPU servers: an actor asking more CPUs than any node has free would wait
+    # for ever (its start, and the timeout inside it, never begin). The fleet bounds the wait.
+    import anyio
+
+    async def go() -> None:
+        fleet = EngineFleet([EngineSpec("local", str(model_dir))], num_cpus=3, placement_timeout=2)
+        try:
+            with anyio.fail_after(60):
+                with pytest.raises(RuntimeError, match=r"actor\(s\) \[0\] of 1 \(each \{'CPU': 3, 'GPU': 0.0\}\) "
+                                                       r"not scheduled within 2s.*available_resources"):
+                    await fleet.start()
+        finally:
+            await fleet.stop()
+        assert fleet.actors == []
+
+    anyio.run(go)
+
+
 # ---------------------------------------------------------------------- RayRuntime's arguments
 class MarkedCalculator(CalculatorTool):
     """The calculator with its results marked: shows whose registry a worker's tool loop called."""
@@ -498,7 +517,8 @@ def test_a_server_whose_weight_version_changes_behind_the_driver_is_dropped_by_t
     # server is taken out on the worker and then on the driver, and the trajectories go on elsewhere.
     import asyncio
 
-    runtime = RayRuntime(config(model_dir, 2), ray_config={"num_workers": 1, "worker_capacity": 4, "engine_num_cpus": 1})
+    # engine_num_cpus 0: the module's `rt` holds the session's two CPUs while this runs.
+    runtime = RayRuntime(config(model_dir, 2), ray_config={"num_workers": 1, "worker_capacity": 4, "engine_num_cpus": 0})
     runtime.start_sync()
     try:
         first = runtime.step_sync(replay_samples("r", 2))  # step 1: both servers ours

@@ -350,6 +350,10 @@ class RayConfig(_Strict):
         "PACK", description="Placement group strategy for launched GPU servers (PACK: fill a node first; SPREAD: "
         "different nodes)."
     )
+    placement_timeout: float = Field(
+        300.0, gt=0, description="Seconds to wait for Ray to place the engine server actors (and their placement "
+        "group) before the start fails, naming the resources no node had free."
+    )
     max_worker_replacements: int = Field(4, ge=0, description="Dead workers replaced by fresh actors, at most this many.")
     max_worker_attempts: int = Field(3, ge=1, description="Workers one trajectory may be tried on before it fails.")
 

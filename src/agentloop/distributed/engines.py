@@ -176,6 +176,7 @@ class EngineFleet:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=i)
             self.actors.append(EngineServerActor.options(**opts).remote(asdict(spec)))
+        await self._scheduled()
         urls: list[str | None] = [None] * len(self.actors)
 
         async def start(i: int) -> None:
@@ -192,6 +193,28 @@ class EngineFleet:
             raise RuntimeError("; ".join(errors))
         self.urls = [u for u in urls if u is not None]
         return list(self.urls)
+
+    async def _scheduled(self) -> None:
+        """Wait for Ray to place every actor: an actor whose resources no node has free waits forever
+        (its `start` and the timeout inside it never begin), so placement gets its own deadline."""
+        waiting = set(range(len(self.actors)))
+
+        async def one(i: int) -> None:
+            await self.actors[i].gpu_ids.remote()
+            waiting.discard(i)
+
+        try:
+            with anyio.fail_after(self.placement_timeout):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(self.actors)):
+                        tg.start_soon(one, i)
+        except TimeoutError:
+            raise RuntimeError(
+                f"engine server actor(s) {sorted(waiting)} of {len(self.specs)} (each {{'CPU': {self.num_cpus}, "
+                f"'GPU': {self.num_gpus}}}) not scheduled within {self.placement_timeout:.0f}s: no node has those "
+                f"resources free (ray.available_resources() = {ray.available_resources()}); lower "
+                f"ray.engine_num_cpus / ray.engine_num_gpus, stop what holds them, or raise ray.placement_timeout"
+            ) from None
 
     async def info(self) -> list[dict[str, Any]]:
         out = []
@@ -247,13 +270,14 @@ class RayFleetEngines:
             self.model_path = str(embedded_model(ecfg))
             specs = [EngineSpec("local", self.model_path, extra_args=tuple(ecfg.local.serve_args()), host=rc.engine_host)
                      for _ in range(ecfg.num_local_servers)]
-            return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0)
+            return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=0.0, placement_timeout=rc.placement_timeout)
         if lc.gpu_ids is not None:
             log.warning("engine.launch.gpu_ids is ignored in Ray mode: Ray assigns GPUs (ray.engine_num_gpus per server)")
         self.model_path = lc.model_path
         specs = [EngineSpec("sglang", lc.model_path, extra_args=tuple(lc.flags), mem_fraction_static=lc.mem_fraction_static,
                             host=rc.engine_host) for _ in range(lc.num_servers)]
-        return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=rc.engine_num_gpus, strategy=rc.placement_strategy)
+        return EngineFleet(specs, num_cpus=rc.engine_num_cpus, num_gpus=rc.engine_num_gpus, strategy=rc.placement_strategy,
+                           placement_timeout=rc.placement_timeout)
 
     async def start(self, stack: Any) -> list[EngineClient]:
         clients: list[EngineClient] = []
