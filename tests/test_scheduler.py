@@ -99,10 +99,12 @@ async def test_failure_isolation_and_bad_reward() -> None:
 
 
 async def test_timeout_keeps_partial_and_aborts_request() -> None:
-    slow = FakeEngine("http://a", token_delay=0.05)
-    sched, _ = make([slow], trajectory_timeout=0.6, abort_grace=5.0)
+    slow = FakeEngine("http://a", token_delay=0.1)
+    # Turn 2 of p1 runs from 0.6 s to 1.2 s: a 0.9 s timeout lands mid-turn, 0.3 s from either boundary,
+    # so a request is in flight to abort even on a loaded CI machine (0.6 s fell on the boundary: a race).
+    sched, _ = make([slow], trajectory_timeout=0.9, abort_grace=5.0)
     ss = samples(2, turns=1, tokens=2)
-    ss[1].extra.update(turns=3, tokens=6)  # 3 x 6 x 0.05 s = 0.9 s > 0.6 s
+    ss[1].extra.update(turns=3, tokens=6)  # 3 x 6 x 0.1 s = 1.8 s > 0.9 s
     with anyio.fail_after(5):
         res = await sched.run(ss)
     fast, late = res.trajectories
