@@ -23,7 +23,7 @@ same coroutines). What happens:
   batch raises that `LifecycleError`. A server restarted (or taken over) mid-stream is taken out by
   the gate at its first answer, which is dropped (`Gate.check_answer`), and the stream goes on with
   the others.
-- **Admission (the feeder)**: a prompt is drawn from `feeder` (Samples or dataset rows; an iterator
+- **Admission** (`StreamAdmission`, stream_admission.py): a prompt is drawn from `feeder` (Samples or dataset rows; an iterator
   or an async iterator) and its `n` members start whenever fewer than `active` trajectories are in
   flight, the queue to the trainer is not full (backpressure: a trainer that stops consuming stops
   admission; what waits is bounded by `max_queued_batches` batches plus what was in flight), no
@@ -59,7 +59,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Mapping
 
 import anyio
 import anyio.abc
@@ -72,6 +72,7 @@ from ..scheduler.gc_scope import frozen_heap
 from ..scheduler.staleness import VersionLog, token_staleness
 from ..types import Sample, Trajectory, training_rows
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
+from .stream_admission import StreamAdmission
 from .stream_engines import EngineWatch
 from .stream_groups import StreamGroup, StreamGroups
 from .stream_types import StreamBatch, StreamConfig
@@ -107,21 +108,14 @@ class RolloutStream:
                                                       "group_budget": None, "active": None, "max_staleness": None})
         self.groups = StreamGroups(get_group_filter(self.scfg.group_filter) if self.scfg.group_filter else None,
                                    self.scfg.group_filter)
-        self._sync_feed: Iterator[Any] | None = None
-        self._async_feed: AsyncIterator[Any] | None = None
-        if isinstance(feeder, AsyncIterable):
-            self._async_feed = feeder.__aiter__()
-        elif isinstance(feeder, Iterable):
-            self._sync_feed = iter(feeder)
-        else:
-            raise TypeError(f"rollout_stream: feeder must be an iterable or async iterable of samples, got {type(feeder).__name__}")
+        self.admission = StreamAdmission(
+            feeder, config,
+            lambda row: rows_to_samples([row], runtime._row_numbers, trainer_reward=runtime.reward_fn is not None)[0])
         #: The order of weight versions: the scheduler's log (its runs observe the served version too), so
         #: the runtime's later steps count staleness in the same order.
         self.versions: VersionLog = runtime.scheduler.versions
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed = anyio.Event()
-        self._originals: dict[str, Sample] = {}  # every admitted prompt by uid (uids are unique across the stream)
-        self._restart: list[Sample] = []  # prompts to admit again (stale_policy "restart")
         self._send, self._receive = anyio.create_memory_object_stream[list[list[Trajectory]]](config.max_queued_batches)
         #: the batch the batcher is sending, until a receiver took it: a send cancelled while the queue
         #: is full (the stream closing) drops its item, so `_collect_unconsumed` keeps it from here
@@ -131,7 +125,6 @@ class RolloutStream:
                                    interval=ENGINE_CHECK_INTERVAL)
         self._updating = False
         self._closing = False
-        self._exhausted = False
         self._error: Exception | None = None  # why admission stopped, if the feeder failed
         self.in_flight = 0
         self.batches = 0
@@ -140,8 +133,7 @@ class RolloutStream:
         self.leftover: list[Sample] = []
         #: Complete, accepted groups the trainer had not taken when the stream closed (nothing is lost).
         self.unconsumed: list[list[Trajectory]] = []
-        self.counts: dict[str, int] = dict.fromkeys((
-            "groups_admitted", "groups_dropped_stale", "groups_restarted_stale", "trajectories_finished", "trajectories_resumed", "updates"), 0)
+        self._counts: dict[str, int] = dict.fromkeys(("trajectories_finished", "trajectories_resumed", "updates"), 0)
         #: What each in-flight update cost (`trajectories_resumed` counts trajectories resumed as partial
         #: rollouts instead of going on in place).
         self.updates = UpdateLog(runtime.lifecycle, flush_cache=config.kv_on_update == "recompute",
@@ -211,7 +203,8 @@ class RolloutStream:
                     raise self._error from None
                 raise StopAsyncIteration from None
             self._poke()  # room in the queue: admission may go on
-            groups = self._bound_staleness(groups)
+            groups = self.admission.bound_staleness(groups, self.versions)
+            self._poke()  # a restarted prompt waits for admission
             if groups:
                 return self._make_batch(groups)
 
@@ -236,7 +229,7 @@ class RolloutStream:
                 self._updating = False
                 self._poke()
             self.versions.observe(served)
-            self.counts["updates"] += 1
+            self._counts["updates"] += 1
             self._poke()
             return served
 
@@ -273,6 +266,12 @@ class RolloutStream:
         return len(self.groups.ready) + queued * self.config.batch_groups
 
     @property
+    def counts(self) -> dict[str, int]:
+        """Prompts admitted, groups dropped or restarted for staleness, trajectories finished and resumed,
+        updates applied."""
+        return {**self.admission.counts, **self._counts}
+
+    @property
     def metrics(self) -> dict[str, Any]:
         return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
@@ -291,18 +290,10 @@ class RolloutStream:
         await self._changed.wait()
 
     def _admissible(self, n: int) -> bool:
-        c = self.config
         if self._closing or self._updating or self._error is not None:
             return False
-        if self.in_flight + n > c.active and self.in_flight > 0:
-            return False
-        if self.buffered_groups >= c.max_queued_batches * c.batch_groups:
-            return False  # backpressure: the trainer is not taking batches
-        if c.max_staleness is not None:
-            # AReaL: capacity grows with the updates the trainer has applied.
-            if self.counts["groups_admitted"] >= (self.counts["updates"] + c.max_staleness + 1) * c.batch_groups:
-                return False
-        return True
+        return self.admission.allows(n, in_flight=self.in_flight, buffered_groups=self.buffered_groups,
+                                     updates=self._counts["updates"])
 
     async def _admit(self) -> None:
         try:
@@ -310,7 +301,7 @@ class RolloutStream:
         except Exception as e:  # noqa: BLE001 - a bad prompt, or the feeder itself raised: the trainer
             # hears it (as itself) at its next batch; what runs and what finished is kept, not torn down
             log.error("rollout stream: admission stopped after %d prompts: %s: %s",
-                      self.counts["groups_admitted"], type(e).__name__, e)
+                      self.admission.counts["groups_admitted"], type(e).__name__, e)
             self._stop_with(e)
 
     def _stop_with(self, error: Exception) -> None:
@@ -322,34 +313,18 @@ class RolloutStream:
         n = self.scfg.n
         while True:
             # After the feeder ran out, only restarted prompts (stale_policy "restart") are admitted.
-            while not self._admissible(n) or (self._exhausted and not self._restart):
+            while not self._admissible(n) or self.admission.drained:
                 await self._wait_change()
-            sample = self._restart.pop(0) if self._restart else await self._next_sample()
+            sample = await self.admission.next()
             if sample is None:
-                self._exhausted = True
                 self._poke()
                 continue
-            if sample.uid in self._originals:
-                raise ValueError(f"rollout_stream: the feeder gave prompt uid {sample.uid!r} twice (uids must be unique)")
-            self._originals[sample.uid] = sample
             members = expand_samples([sample], n)
             group = self.groups.open(sample, members)
-            self.counts["groups_admitted"] += 1
             self.in_flight += len(members)
             assert self._tg is not None
             for i, m in enumerate(members):
                 self._tg.start_soon(self._run_member, group, i, m)
-
-    async def _next_sample(self) -> Sample | None:
-        try:
-            row = next(self._sync_feed) if self._sync_feed is not None else await self._async_feed.__anext__()  # type: ignore[union-attr]
-        except (StopIteration, StopAsyncIteration):
-            return None
-        sample = rows_to_samples([row], self.rt._row_numbers, trainer_reward=self.rt.reward_fn is not None)[0]
-        if sample.group_id or sample.resume_from is not None:
-            raise ValueError(f"rollout_stream: the feeder gave {sample.uid!r} with a group_id or resume_from; "
-                             "it takes fresh prompts only")
-        return sample
 
     # ------------------------------------------------------------------ one trajectory
     async def _run_member(self, group: StreamGroup, i: int, job: Sample) -> None:
@@ -367,7 +342,7 @@ class RolloutStream:
                     raise RuntimeError(f"scheduler returned nothing for {job.uid}")
                 job = res.carry_over[0]  # interrupted (an update's pause, a stop): resume at once
                 if not self._closing:
-                    self.counts["trajectories_resumed"] += 1
+                    self._counts["trajectories_resumed"] += 1
             else:
                 prev = job.resume_from
                 traj = prev if prev is not None else Trajectory(uid=job.uid, group_id=job.group_id, prompt_ids=[])
@@ -375,7 +350,7 @@ class RolloutStream:
         finally:
             self.in_flight -= 1
             self._poke()
-        self.counts["trajectories_finished"] += 1
+        self._counts["trajectories_finished"] += 1
         if self.groups.finish(group, i, traj):
             self.max_buffered_groups = max(self.max_buffered_groups, self.buffered_groups)
         self._poke()
@@ -402,26 +377,7 @@ class RolloutStream:
     @property
     def _done(self) -> bool:
         """Nothing more will come: the feeder ran out (or the stream closes) and nothing is in flight."""
-        return (self._exhausted or self._closing) and self.in_flight == 0 and not self._restart
-
-    def _bound_staleness(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        eta = self.config.max_staleness
-        if eta is None:
-            return groups
-        kept = []
-        for trajs in groups:
-            age = max(self.versions.first_token_age(t) or 0 for t in trajs)
-            if age <= eta:
-                kept.append(trajs)
-            elif self.config.stale_policy == "restart":
-                self.counts["groups_restarted_stale"] += 1
-                gid = trajs[0].group_id
-                # the same prompt under a new uid, admitted before any fresh one
-                self._restart.append(dataclasses.replace(self._originals[gid], uid=f"{gid}.r{self.counts['groups_restarted_stale']}"))
-                self._poke()
-            else:
-                self.counts["groups_dropped_stale"] += 1
-        return kept
+        return (self.admission.exhausted or self._closing) and self.in_flight == 0 and not self.admission.restarts
 
     def _make_batch(self, groups: list[list[Trajectory]]) -> StreamBatch:
         trajs = [t for g in groups for t in g]
