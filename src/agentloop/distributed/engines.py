@@ -155,6 +155,8 @@ class EngineFleet:
         self.strategy = strategy
         self.placement_timeout = placement_timeout
         self.actors: list[Any] = []
+        #: actors Ray never placed (`_scheduled` timed out): nothing runs in them to ask to stop
+        self._unplaced: set[int] = set()
         self.urls: list[str] = []
         self.pg: PlacementGroup | None = None
 
@@ -209,6 +211,7 @@ class EngineFleet:
                     for i in range(len(self.actors)):
                         tg.start_soon(one, i)
         except TimeoutError:
+            self._unplaced = set(waiting)
             raise RuntimeError(
                 f"engine server actor(s) {sorted(waiting)} of {len(self.specs)} (each {{'CPU': {self.num_cpus}, "
                 f"'GPU': {self.num_gpus}}}) not scheduled within {self.placement_timeout:.0f}s: no node has those "
@@ -226,18 +229,21 @@ class EngineFleet:
         return out
 
     async def stop(self) -> None:
-        async def one(actor: Any) -> None:
-            try:
-                with anyio.fail_after(60):
-                    await actor.stop.remote()
-            except Exception as e:  # dead actor or stuck server: the kill below ends the actor anyway
-                log.warning("stopping engine server actor failed: %s", e)
+        async def one(actor: Any, placed: bool) -> None:
+            # An unplaced actor's stop call would wait for a placement that never comes (60 s here).
+            if placed:
+                try:
+                    with anyio.fail_after(60):
+                        await actor.stop.remote()
+                except Exception as e:  # dead actor or stuck server: the kill below ends the actor anyway
+                    log.warning("stopping engine server actor failed: %s", e)
             ray.kill(actor)
 
         async with anyio.create_task_group() as tg:
-            for a in self.actors:
-                tg.start_soon(one, a)
+            for i, a in enumerate(self.actors):
+                tg.start_soon(one, a, i not in self._unplaced)
         self.actors.clear()
+        self._unplaced = set()
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
