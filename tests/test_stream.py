@@ -300,3 +300,43 @@ async def test_second_stream_on_a_runtime_does_not_reuse_version_names() -> None
                     served.append(await s.update_weights(live))
     assert len(served) == len(set(served)) == 8
     assert all(max(h) <= 1 for h in hists), hists
+
+
+async def test_runtime_stream_with_a_stream_config_is_the_streaming_mode() -> None:
+    """`rt.stream(feeder, StreamConfig(...))` (the issue's form) is `rollout_stream`; `rt.stream(samples,
+    weights)` stays one step's trajectories; iterating either without its block says how to use it."""
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    seen: list[str] = []
+    versions: list[str | None] = []
+    async with rt:
+        async with rt.stream(feed(8), StreamConfig(batch_groups=2, active=6), weights={"w": 0}) as s:
+            assert rt.lifecycle.state is EngineState.AWAKE
+            async for batch in s:
+                seen += [t.uid for t in batch.trajectories]
+                versions.append(await s.update_weights({"w": batch.index}, f"v{batch.index}"))
+        assert rt.lifecycle.state is EngineState.SLEEPING
+        assert s.metrics["updates"] == 4 and versions == ["v1", "v2", "v3", "v4"]
+        async with rt.stream(feed(2), config=StreamConfig(batch_groups=2, active=4)) as s2:
+            assert [len(b.groups) async for b in s2] == [2]
+        async with rt.stream(feed(2)) as step:  # no StreamConfig: one step, trajectory by trajectory
+            assert sorted([t.uid async for t in step]) == ["p0_0", "p0_1", "p1_0", "p1_1"]
+        assert step.result is not None and len(step.result.trajectories) == 4
+        with pytest.raises(TypeError, match=r"async with rt.stream\(feeder, config\) as s"):
+            async for _ in rt.stream(feed(2), StreamConfig(batch_groups=1, active=2)):  # type: ignore[attr-defined]
+                pass
+        with pytest.raises(TypeError, match="weights=..."):
+            rt.stream(feed(2), StreamConfig(batch_groups=1, active=2), {"w": 1})
+        assert rt.lifecycle.state is EngineState.SLEEPING  # nothing woke for a refused call
+    assert sorted(seen) == sorted(f"p{i}_{k}" for i in range(8) for k in range(2))
+
+
+def test_runtime_stream_sync() -> None:
+    eng = FakeEngine("http://a")
+    rt = runtime(eng)
+    with rt:
+        with rt.stream_sync(feed(4), StreamConfig(batch_groups=2, active=4)) as s:
+            for batch in s:
+                assert s.update_weights({"w": batch.index}) == rt.lifecycle.weight_version
+            assert s.metrics["batches"] == 2 and s.metrics["updates"] == 2
+        assert rt.lifecycle.state is EngineState.SLEEPING

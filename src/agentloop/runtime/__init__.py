@@ -9,7 +9,7 @@ mode), `engines.py` (how engines, clients and the tokenizer are obtained), `conc
 """
 
 from .core import OnTrajectory, Runtime
-from .types import AgentloopError, StepCollateError, StepError, StepResult, StepSleepError, StepStream
+from .types import AgentloopError, StepCollateError, StepError, StepResult, StepSleepError, StepStream, StreamBlock
 
 __all__ = ["AgentloopError", "OnTrajectory", "Runtime", "StepCollateError", "StepError", "StepResult",
-           "StepSleepError", "StepStream"]
+           "StepSleepError", "StepStream", "StreamBlock"]

@@ -59,6 +59,7 @@ from .types import (
     StepResult,
     StepSleepError,
     StepStream,
+    StreamBlock,
 )
 from ..scheduler.core import ScheduleResult, with_overrides
 from ..types import Sample, Trajectory, training_rows
@@ -276,18 +277,42 @@ class Runtime(SyncFacade):
                 carry_over=result.carry_over, metrics=metrics, rejected=result.rejected,
             )
 
+    def stream(self, samples: Any, *args: Any, **kwargs: Any) -> "StreamBlock":
+        """Two streams, both `async with` blocks:
+
+        - **one step's trajectories** (`rt.stream(samples, weights, **step_kwargs)`): finished
+          trajectories as they come, then the `StepResult` on `s.result`. It runs the same `step`
+          coroutine (its `on_trajectory` feeds the iterator).
+
+              async with rt.stream(samples, weights) as s:
+                  async for traj in s:
+                      ...            # write it out, show progress
+              result = s.result
+
+        - **the streaming mode** (`rt.stream(feeder, StreamConfig(...), weights=None, **overrides)`, or
+          `config=StreamConfig(...)`): `runtime.stream.rollout_stream` — the engine stays awake, complete
+          groups come as `StreamBatch`es, weights are applied in flight:
+
+              async with rt.stream(prompts, StreamConfig(batch_groups=8, active=256, max_staleness=1)) as s:
+                  async for batch in s:
+                      await s.update_weights(train_on(batch))
+        """
+        from .stream import StreamConfig, rollout_stream  # the streaming mode builds on this module's Runtime
+
+        config = kwargs.pop("config", None)
+        if config is None and args and isinstance(args[0], StreamConfig):
+            config, args = args[0], args[1:]
+        if config is not None:
+            if args:
+                raise TypeError("rt.stream(feeder, StreamConfig(...)) takes its weights as weights=..., "
+                                f"not positionally (got {len(args)} more positional argument(s))")
+            return StreamBlock(rollout_stream(self, samples, config, **kwargs), "rt.stream(feeder, config)")
+        return StreamBlock(self._step_stream(samples, *args, **kwargs), "rt.stream(samples, weights)")
+
     @contextlib.asynccontextmanager
-    async def stream(
+    async def _step_stream(
         self, samples: Sequence[Sample | Mapping[str, Any]], weights: Any = None, **kwargs: Any
     ) -> AsyncIterator["StepStream"]:
-        """The async-iterator form of `step`: finished trajectories as they come, then the `StepResult`.
-
-            async with rt.stream(samples, weights) as s:
-                async for traj in s:
-                    ...            # write it out, show progress
-            result = s.result
-
-        It runs the same `step` coroutine (its `on_trajectory` feeds the iterator)."""
         send, receive = anyio.create_memory_object_stream[Trajectory](math.inf)
         out = StepStream(receive)
         user_cb = kwargs.pop("on_trajectory", None) or self.on_trajectory

@@ -69,3 +69,22 @@ class StepStream:
 
     def __aiter__(self) -> AsyncIterator[Trajectory]:
         return self._receive.__aiter__()
+
+
+class StreamBlock:
+    """What `Runtime.stream` returns: an `async with` block whose value is iterated. Iterating it
+    without the block is refused with the form to use (the block owns the engines' wake-up and sleep
+    and the stream's tasks, which must end in the task that started them)."""
+
+    def __init__(self, cm: Any, form: str) -> None:
+        self._cm = cm
+        self._form = form
+
+    async def __aenter__(self) -> Any:
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._cm.__aexit__(*exc)
+
+    def __aiter__(self) -> Any:
+        raise TypeError(f"{self._form} is an async with block: `async with {self._form} as s: async for x in s: ...`")
