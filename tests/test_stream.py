@@ -317,6 +317,9 @@ async def test_runtime_stream_with_a_stream_config_is_the_streaming_mode() -> No
                 versions.append(await s.update_weights({"w": batch.index}, f"v{batch.index}"))
         assert rt.lifecycle.state is EngineState.SLEEPING
         assert s.metrics["updates"] == 4 and versions == ["v1", "v2", "v3", "v4"]
+        with pytest.raises(RuntimeError, match="closed"):
+            await s.update_weights({"w": 9})
+        assert rt.lifecycle.state is EngineState.SLEEPING and rt.lifecycle.weight_version == "v4"
         async with rt.stream(feed(2), config=StreamConfig(batch_groups=2, active=4)) as s2:
             assert [len(b.groups) async for b in s2] == [2]
         async with rt.stream(feed(2)) as step:  # no StreamConfig: one step, trajectory by trajectory

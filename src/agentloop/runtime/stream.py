@@ -214,6 +214,9 @@ class RolloutStream:
         so that a state dict the trainer updates in place is still loaded, and a second stream on the
         same runtime does not reuse the first one's names (the version log orders versions by first
         sight: a reused name would make new tokens look many versions old)."""
+        if self._closing:
+            raise RuntimeError("update_weights on a rollout stream that is closed (its block ended and the engines "
+                               "sleep): load the weights with the next rt.step(samples, weights) or stream's weights=")
         w = Weights.coerce(weights)
         if w is None:
             raise ValueError("update_weights needs weights (a state dict, a path or Weights), got None")
