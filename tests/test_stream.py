@@ -343,3 +343,51 @@ def test_runtime_stream_sync() -> None:
                 assert s.update_weights({"w": batch.index}) == rt.lifecycle.weight_version
             assert s.metrics["batches"] == 2 and s.metrics["updates"] == 2
         assert rt.lifecycle.state is EngineState.SLEEPING
+
+
+class HungEngine(FakeEngine):
+    """Accepts generates and answers nothing, /model_info included (a wedged server)."""
+
+    hung = False
+
+    async def generate(self, input_ids, sampling_params, **kw):  # type: ignore[override]
+        if self.hung:
+            await anyio.sleep_forever()
+        return await super().generate(input_ids, sampling_params, **kw)
+
+    async def model_info(self):  # type: ignore[override]
+        if self.hung:
+            await anyio.sleep_forever()
+        return await super().model_info()
+
+
+async def test_one_server_watch_for_the_stream_takes_a_hung_server_out() -> None:
+    """The stream's trajectories do not each watch the servers (one watch task per trajectory in flight
+    made the collector's garbage and the client's CPU grow with `active`); the stream's single watch
+    still takes a hung server out, and its trajectories go on on the other."""
+    from agentloop.scheduler.run import ScheduleRun
+
+    good, bad = FakeEngine("http://good", token_delay=0.002), HungEngine("http://bad", token_delay=0.002)
+    rt = Runtime({"scheduler": {"n": 2}, "engine": {"hung_timeout": 0.4}}, clients=[good, bad],
+                 tokenizer=TOK, tools=object(), reward_fn=length_reward)
+    watched: list[float | None] = []
+    orig_init = ScheduleRun.__init__
+
+    def spy(self, *a, **kw):
+        watched.append(kw.get("hung_timeout"))
+        orig_init(self, *a, **kw)
+
+    ScheduleRun.__init__ = spy  # type: ignore[method-assign]
+    try:
+        async with rt:
+            rt.router.health_timeout = 0.2  # the /model_info probe of a silent server
+            with anyio.fail_after(30):
+                async with rt.stream(feed(12), StreamConfig(batch_groups=2, active=8)) as s:
+                    bad.hung = True  # wedged once the stream is awake: requests dispatched to it never answer
+                    seen = [t.uid async for batch in s for t in batch.trajectories]
+            why = rt.lifecycle.out_of_rotation["http://bad"]
+            assert "hung: requests in flight" in str(why), why  # the router's watch, not only a liveness probe
+    finally:
+        ScheduleRun.__init__ = orig_init  # type: ignore[method-assign]
+    assert sorted(seen) == sorted(f"p{i}_{k}" for i in range(12) for k in range(2))
+    assert watched and all(h is None for h in watched)  # no member run watched servers itself

@@ -54,6 +54,7 @@ from ..runtime.assembly import RolloutParts, make_router, make_scheduler, on_tea
 from ..runtime.core import AgentloopError, Runtime
 from ..scheduler.staleness import VersionLog
 from ..scheduler.core import ScheduleResult, Scheduler
+from ..scheduler.watchdog import Watchdog
 from ..types import Sample, Trajectory
 from .engines import EngineFleet, ray_engine_backend
 from .pool import PoolEvents, WorkerPool, default_capacity
@@ -120,7 +121,8 @@ class RayScheduler:
         self.versions = VersionLog()
 
     async def run(self, samples: Sequence[Sample], *, on_trajectory: Any = None,
-                  config: SchedulerConfig | None = None, more_samples: Any = None, on_group: Any = None) -> ScheduleResult:
+                  config: SchedulerConfig | None = None, more_samples: Any = None, on_group: Any = None,
+                  watch_servers: bool = True) -> ScheduleResult:
         step = RemoteStep.of(config or self.config.scheduler)
         sched = make_scheduler(self.router, self.config, tokenizer=self.tokenizer, reward_fn=_keep_worker_reward,
                                clock=time.time, agents=lambda name: RemoteAgent(self.pool, name, step))
@@ -129,7 +131,7 @@ class RayScheduler:
         self._running.append(sched)
         try:
             result = await sched.run(samples, on_trajectory=on_trajectory, config=step.driver_config,
-                                     more_samples=more_samples, on_group=on_group)
+                                     more_samples=more_samples, on_group=on_group, watch_servers=watch_servers)
         finally:
             self._running.remove(sched)
         stats = await self.pool.stats()
@@ -149,6 +151,10 @@ class RayScheduler:
             "worker_generations_outside_awake": sum(s["generations_outside_awake"] for s in stats),
         }
         return result
+
+    def server_watchdog(self) -> Any:
+        """`Scheduler.server_watchdog` over the driver's router (the servers are the driver's to judge)."""
+        return Watchdog.servers_only(self.router, self.config.engine.hung_timeout, clock=time.time)
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop the running step (see `Scheduler.stop`); the workers' trajectories are stopped through their sessions."""

@@ -22,7 +22,9 @@ same coroutines). What happens:
   most once per `ENGINE_CHECK_INTERVAL`); with no server left the stream stops admitting and the trainer's next
   batch raises that `LifecycleError`. A server restarted (or taken over) mid-stream is taken out by
   the gate at its first answer, which is dropped (`Gate.check_answer`), and the stream goes on with
-  the others.
+  the others. A server silent for `engine.hung_timeout` with requests in flight (and to `/model_info`)
+  is taken out by the router as in a step, its requests retried on the others: one watch
+  (`Scheduler.server_watchdog`) for the whole stream, not one per trajectory's scheduler run.
 - **Admission** (`StreamAdmission`, stream_admission.py): a prompt is drawn from `feeder` (Samples or dataset rows; an iterator
   or an async iterator) and its `n` members start whenever fewer than `active` trajectories are in
   flight, the queue to the trainer is not full (backpressure: a trainer that stops consuming stops
@@ -154,6 +156,9 @@ class RolloutStream:
         tg.start_soon(self._batcher)
         tg.start_soon(lc.keep_lease)
         tg.start_soon(self.engines.watch)
+        servers = self.rt.scheduler.server_watchdog()
+        if servers is not None:  # hung servers taken out (their requests retried elsewhere), as in a step
+            tg.start_soon(servers.run)
 
     async def _close(self) -> None:
         """Stop admitting, stop every running trajectory (kept on `leftover`), put the engines to sleep."""
@@ -337,7 +342,8 @@ class RolloutStream:
                 if self._closing:
                     self.leftover.append(job)
                     return
-                res = await self.rt.scheduler.run([job], config=self._traj_cfg)
+                # One server watch for the whole stream (`_open`), not one task per trajectory in flight.
+                res = await self.rt.scheduler.run([job], config=self._traj_cfg, watch_servers=False)
                 if res.trajectories:
                     traj = res.trajectories[0]
                     break

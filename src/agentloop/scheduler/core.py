@@ -70,6 +70,7 @@ from .result import ScheduleResult
 from .run import OnGroup, OnTrajectory, ScheduleRun
 from .staleness import VersionLog
 from .trajectory import TrajectoryRunner
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,12 @@ class Scheduler:
         #: The weight versions this scheduler's runs saw, in order (how stale a token is).
         self.versions = VersionLog()
 
+    def server_watchdog(self) -> Watchdog | None:
+        """A watchdog of this scheduler's servers alone (no deadlines): `run()` it in a task to take out
+        a server silent for `hung_timeout` with requests in flight, as each run's own watchdog does.
+        None without a `hung_timeout`."""
+        return Watchdog.servers_only(self.router, self.hung_timeout, clock=self.clock)
+
     def agent(self, name: str) -> AgentLoop:
         """The agent loop registered as `name` (one instance per scheduler). Ray's driver overrides it."""
         if name not in self._agents:
@@ -132,14 +139,18 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         more_samples: Iterable[Sample] | AsyncIterable[Sample] | None = None,
         on_group: OnGroup | None = None,
+        watch_servers: bool = True,
     ) -> ScheduleResult:
         """Run every sample's agent loop (see the module docstring); never raises for a trajectory's fault.
         `more_samples` (the feeder: an iterator or async iterator of fresh samples) supplies prompts while a
         group filter keeps the step short of `target_groups`, or to keep `active` trajectories in flight.
-        `on_group(members, verdict)` is called when a group is decided (every member finished, none carried)."""
+        `on_group(members, verdict)` is called when a group is decided (every member finished, none carried).
+        `watch_servers=False`: this run does not watch for hung servers itself (a caller running many
+        small runs at once, the streaming mode, runs one `server_watchdog()` for all of them instead)."""
         cfg = config or self.config
         run = ScheduleRun(router=self.router, runner=self._runner(), config=cfg, clock=self.clock,
-                          hung_timeout=self.hung_timeout, on_trajectory=on_trajectory, more_samples=more_samples,
+                          hung_timeout=self.hung_timeout if watch_servers else None,
+                          on_trajectory=on_trajectory, more_samples=more_samples,
                           on_group=on_group, versions=self.versions)
         self._runs.append(run)
         try:

@@ -46,6 +46,15 @@ class Watchdog:
         self._order = 0
         self._earlier = anyio.Event()  # set when a deadline earlier than the one waited for arrives
 
+    @classmethod
+    def servers_only(cls, router: Any, hung_timeout: float | None, *, clock: Callable[[], float]) -> "Watchdog | None":
+        """A watchdog of `router`'s servers alone (no deadlines; None without a `hung_timeout`): one
+        for many small runs at once (the streaming mode's), instead of one per run."""
+        if hung_timeout is None:
+            return None
+        return cls(clock=clock, is_running=lambda key: False, on_expired=lambda key: None, router=router,
+                   hung_timeout=hung_timeout)
+
     def add_deadline(self, key: Hashable, at: float) -> None:
         heapq.heappush(self._heap, (at, self._order, key))
         self._order += 1
