@@ -120,7 +120,7 @@ class ScheduleRun:
                     tg.start_soon(self._one, i, t0)
                 if self.feeder is not None and (cfg.target_groups is not None or cfg.active is not None):
                     tg.start_soon(self._feed)
-            outer.cancel_scope.cancel()  # every trajectory is done: the watchdog ends
+            self.watchdog.stop()  # every trajectory is done: the watchdog ends
         wall = self.clock() - t0
         result = build_result(book, cfg, wall=wall, refill_stop=self.refill_stop, stopped_from_outside=self.external_stop,
                               router_stats=self.router.stats)
@@ -129,10 +129,12 @@ class ScheduleRun:
         result.metrics["stale_restarted"] = self.stale_restarted
         result.metrics["stale_dropped"] = len(self.dropped)
         result.metrics["samples_drawn"] = self.feeder.drawn if self.feeder is not None else 0
-        # A cancelled watcher's traceback (its frame holds `self`) keeps this run in a reference cycle that
-        # only a full garbage collection frees; let go of the trajectories here, so that they are freed when
-        # the caller drops the result rather than at some later full collection (which must also walk them).
+        # Nothing may keep this run in a reference cycle (only a full collection would free it, walking
+        # everything it holds; the streaming mode makes one run per trajectory): the watchdog stopped and
+        # dropped its callbacks (`Watchdog.stop`), and the trajectories and the task group are let go here
+        # (a server watcher's cancelled traceback can still hold the run's frames).
         self.book, self.feeder = GroupBook(), None
+        self._tg = None
         return result
 
     def stop(self, reason: str, *, early: bool = False) -> None:

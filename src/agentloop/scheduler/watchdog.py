@@ -21,6 +21,14 @@ import anyio
 __all__ = ["Watchdog"]
 
 
+def _never(key: Any) -> bool:
+    return False
+
+
+def _ignore(key: Any) -> None:
+    return None
+
+
 class Watchdog:
     """Deadlines and the hung-server check of one run (see the module docstring)."""
 
@@ -45,6 +53,7 @@ class Watchdog:
         self._heap: list[tuple[float, int, Any]] = []  # (deadline, insertion order, key)
         self._order = 0
         self._earlier = anyio.Event()  # set when a deadline earlier than the one waited for arrives
+        self._stopped = anyio.Event()
 
     @classmethod
     def servers_only(cls, router: Any, hung_timeout: float | None, *, clock: Callable[[], float]) -> "Watchdog | None":
@@ -52,8 +61,7 @@ class Watchdog:
         for many small runs at once (the streaming mode's), instead of one per run."""
         if hung_timeout is None:
             return None
-        return cls(clock=clock, is_running=lambda key: False, on_expired=lambda key: None, router=router,
-                   hung_timeout=hung_timeout)
+        return cls(clock=clock, is_running=_never, on_expired=_ignore, router=router, hung_timeout=hung_timeout)
 
     def add_deadline(self, key: Hashable, at: float) -> None:
         heapq.heappush(self._heap, (at, self._order, key))
@@ -66,12 +74,23 @@ class Watchdog:
         """Deadlines not yet expired nor dropped (their trajectory may have finished meanwhile)."""
         return len(self._heap)
 
+    def stop(self) -> None:
+        """End `run()` and let go of the callbacks (bound methods of the run that owns this watchdog:
+        kept, they and a cancelled watcher's traceback held each run in a reference cycle, garbage that
+        only a full collection frees; the streaming mode makes one run per trajectory). `run()`
+        returns, it is not cancelled."""
+        self._stopped.set()
+        self._earlier.set()
+        self.is_running = _never
+        self.on_expired = _ignore
+
     async def run(self) -> None:
-        """Watch deadlines (and servers, with `hung_timeout`) until cancelled."""
+        """Watch deadlines (and servers, with `hung_timeout`) until `stop()` (or cancelled)."""
         async with anyio.create_task_group() as tg:
             if self.hung_timeout is not None:
                 tg.start_soon(self._watch_servers, self.hung_timeout)
             await self._watch_deadlines()
+            tg.cancel_scope.cancel()  # the server watch sleeps toward its next round
 
     async def _watch_servers(self, hung_timeout: float) -> None:
         period = min(5.0, hung_timeout / 4)
@@ -85,7 +104,7 @@ class Watchdog:
             await self.router.take_out_stalled(hung_timeout)
 
     async def _watch_deadlines(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             while self._heap and not self.is_running(self._heap[0][2]):
                 heapq.heappop(self._heap)  # finished before its deadline
             self._earlier = anyio.Event()
