@@ -81,6 +81,8 @@ def check_outputs(out: Path, *, steps: int, interrupted: bool = False) -> list[d
         assert ps["status"] == {s: sum(r["status"] == s for r in mine) for s in STATUSES}
         assert {"resume_weights", "update_weights", "resume_kv_cache"} <= set(ps["wake_up_stages"])
         assert {"pause", "flush_cache", "release"} <= set(ps["sleep_stages"])
+        if not interrupted:  # every sampled token's staleness, counted (a step cut short reports none)
+            assert sum(ps["token_staleness"].values()) == sum(sum(r["response_mask"]) for r in mine)
     # Parquet holds the same trajectories, one row each.
     table = pq.read_table(out / "trajectories.parquet").to_pylist()
     assert [(r["uid"], r["step"]) for r in table] == [(r["uid"], r["step"]) for r in rows]

@@ -190,3 +190,16 @@ def test_clear_outputs(tmp_path: Path) -> None:
 def test_reward_nan_is_null() -> None:
     s = summarize_step([make_traj("a#0", reward=math.nan)], step=1)
     assert s["reward_mean"] is None
+
+
+def test_summary_lists_token_staleness_per_step_and_in_total() -> None:
+    """The issue-27 report: the staleness of every trained token, per step, in summary.json."""
+    trajs = [make_traj("a#0")]
+    s1 = summarize_step(trajs, step=1, staleness={"0": 30})
+    s2 = summarize_step(trajs, step=2, staleness={"1": 5, "0": 12, "3": 0})  # carried partials: older tokens
+    assert s1["token_staleness"] == {"0": 30} and s1["max_token_staleness"] == 0
+    assert s2["token_staleness"] == {"0": 12, "1": 5, "3": 0} and s2["max_token_staleness"] == 1
+    run = summarize_run([s1, s2])
+    assert run["token_staleness"] == {"0": 42, "1": 5, "3": 0} and run["max_token_staleness"] == 1
+    assert "token_staleness" not in summarize_step(trajs, step=3)  # not given: not made up
+    json.dumps(run, allow_nan=False)

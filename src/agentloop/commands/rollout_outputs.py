@@ -54,7 +54,8 @@ def step_summary(rec: StepRecord, concurrency: "ConcurrencyInfo | None" = None) 
                      engine_capacity=concurrency.engine_capacity if concurrency else None)
     return summarize_step(rec.trajectories, rec.records, step=rec.step, seconds=rec.seconds,
                           rollout_seconds=rollout, weight_version=rec.metrics.get("weight_version"),
-                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried), engine_use=use)
+                          prompts=prompt_statuses(rec.launched, rec.trajectories, rec.carried), engine_use=use,
+                          staleness=rec.metrics.get("token_staleness"))
 
 
 def preload_output_modules() -> None:

@@ -69,8 +69,11 @@ def summarize_step(
     weight_version: str | None = None,
     prompts: Mapping[str, str] | None = None,
     engine_use: Mapping[str, Any] | None = None,
+    staleness: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The numbers of one step. `engine_use` (`agentloop.output.engine_use`: concurrency used, engine
+    """The numbers of one step. `staleness` (the step's `token_staleness` histogram — versions behind
+    the step's weights → sampled tokens —, from `scheduler.staleness.token_staleness`, in
+    `StepResult.metrics`) is listed as `token_staleness` with `max_token_staleness`. `engine_use` (`agentloop.output.engine_use`: concurrency used, engine
     busy fraction) is listed as given. `rollout_seconds` (wall time of the roll-out phase) is the
     denominator of tokens/s; without it, the span of the trajectories' timeline events is used.
     `prompts` (uid → one of `PROMPT_STATUSES`) is listed and counted as given."""
@@ -111,8 +114,16 @@ def summarize_step(
         "wake_up_stages": stages["wake_up"],
         "sleep_stages": stages["sleep"],
         **({} if engine_use is None else {"engine_use": dict(engine_use)}),
+        **({} if staleness is None else _staleness(staleness)),
         **({} if prompts is None else {"prompt_status": _prompt_counts(prompts.values()), "prompts": dict(prompts)}),
     }
+
+
+def _staleness(hist: Mapping[Any, Any]) -> dict[str, Any]:
+    """{"token_staleness": {versions behind: tokens} (keys as strings, in order), "max_token_staleness"}."""
+    counts = {int(k): int(v) for k, v in hist.items()}
+    return {"token_staleness": {str(k): counts[k] for k in sorted(counts)},
+            "max_token_staleness": max((k for k, v in counts.items() if v), default=0)}
 
 
 def _prompt_counts(statuses: Iterable[str]) -> dict[str, int]:
@@ -155,6 +166,11 @@ def summarize_run(steps: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any
     }
     if any("engine_use" in s for s in steps):
         totals["engine_use"] = total_engine_use(s.get("engine_use") for s in steps)
+    if any("token_staleness" in s for s in steps):
+        hist: Counter[int] = Counter()
+        for st in steps:
+            hist.update({int(k): v for k, v in st.get("token_staleness", {}).items()})
+        totals.update(_staleness(hist))
     if any("prompts" in s for s in steps):
         totals["prompt_status"] = _prompt_counts(v for s in steps for v in s.get("prompts", {}).values())
     clash = info.keys() & (totals.keys() | {"total", "per_step"})

@@ -14,7 +14,8 @@
   `sleep_stages`): the run's totals at top level (also under `total`), each step's under `per_step`.
   Each step also lists every prompt it launched with what became of it (`prompts`: uid → one of
   `PROMPT_STATUSES`, `not_started` included, so a stopped run says what to re-run), counted in
-  `prompt_status` (per step and in total).
+  `prompt_status` (per step and in total), and the staleness of its sampled tokens (`token_staleness`:
+  weight versions behind the step's → tokens, with `max_token_staleness`; summed in total).
 
 Files other than the stream are written to a temporary name in the same folder and renamed, so no
 reader ever sees a half-written file (`atomic_file`).
