@@ -72,7 +72,7 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
             tg.start_soon(one, i)
         while len(eng.running) < 4:
             await anyio.sleep(0.01)
-        t0, old = time.monotonic(), lc.weight_version
+        old = lc.weight_version
 
         async def after_close() -> None:  # sent while the gates are closed: waits, then the new weights
             await anyio.sleep(0.01)
@@ -80,11 +80,11 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
 
         tg.start_soon(after_close)
         served = await lc.update_weights_drained({"w": [1.0]}, flush_cache=False, server_drain=True)
-        took = time.monotonic() - t0
+        # The update did not wait for the answers on the wire (1.5 s each): none has arrived yet.
         assert lc.in_flight() >= 4, "the aborted answers are still on their way when the update returns"
+        assert outs == [], "the update waited for answers on the wire"
     assert served == lc.weight_version and served is not None
     assert eng.load_flags == [False, True]  # the wake-up's load, then the update's
-    assert took < 1.0, f"the update waited {took:.2f} s for answers on the wire"
     assert len(outs) == 4 and all(o.aborted and o.interrupted_for_update and o.weight_version == old
                                   for o in outs)
     assert lc.gate.interrupted_for_update == 4
@@ -116,10 +116,9 @@ async def test_a_request_the_servers_abort_missed_is_aborted_again() -> None:
         while not eng.running:
             await anyio.sleep(0.01)
         t0, old = time.monotonic(), lc.weight_version
-        await lc.update_weights_drained(WEIGHTS, flush_cache=False, server_drain=True)
-        took = time.monotonic() - t0
-    assert eng.abort_calls and eng.abort_calls[0] is None  # abort_all, within the first 0.2 s poll
-    assert took < 2.0
+        with anyio.fail_after(30):  # the straggler (10k tokens) would hold the load until it ended
+            await lc.update_weights_drained(WEIGHTS, flush_cache=False, server_drain=True)
+    assert eng.abort_calls and eng.abort_calls[0] is None  # abort_all from our drain, not the server's
     assert outs[0].aborted and outs[0].interrupted_for_update and outs[0].weight_version == old
     assert eng.loaded_at[-1] >= t0
 
@@ -128,9 +127,11 @@ async def test_a_client_drain_loads_only_once_every_answer_is_back() -> None:
     eng = WireEngine("http://a", wire=0.5)
     lc = await awake(eng)
     outs: list[GenerateOutput] = []
+    arrived: list[float] = []
 
     async def one(i: int) -> None:
         outs.append(await lc.gate.generate(eng.url, [1, 2, i], LONG, rid=f"r{i}"))
+        arrived.append(time.monotonic())
 
     async with anyio.create_task_group() as tg:
         for i in range(3):
@@ -143,4 +144,5 @@ async def test_a_client_drain_loads_only_once_every_answer_is_back() -> None:
     assert eng.load_flags[-1] is False and eng.abort_calls[0] is None
     assert all(o.aborted and o.interrupted_for_update and o.weight_version == old for o in outs)
     drain = [r for r in lc.records if (r.phase, r.stage) == ("update_drained", "drain")]
-    assert drain[0].detail["left"] == 0 and drain[0].seconds >= 0.5
+    assert drain[0].detail["left"] == 0
+    assert eng.loaded_at[-1] >= max(arrived), "the client's drain loads only after every answer came back"
