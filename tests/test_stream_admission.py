@@ -82,15 +82,18 @@ def test_staleness_bound_drops_or_restarts_a_group_too_many_versions_behind(poli
     async def admit_both() -> None:
         await adm.next()
         await adm.next()
+        assert await adm.next() is None and adm.drained  # the feeder ran out: nothing more to admit
 
     anyio.run(admit_both)
     kept = adm.bound_staleness([[traj("old", "v0")], [traj("new", "v1")]], log)  # 2 and 1 versions behind
     assert [g[0].group_id for g in kept] == ["new"]
     if policy == "restart":
         assert adm.counts["groups_restarted_stale"] == 1 and [s.uid for s in adm.restarts] == ["old.r1"]
-        assert adm.restarts[0].messages == [{"role": "user", "content": "old"}] and not adm.drained
+        assert adm.restarts[0].messages == [{"role": "user", "content": "old"}]
+        assert not adm.drained  # the restart is admitted although the feeder ran out
+        assert anyio.run(adm.next).uid == "old.r1" and adm.drained
     else:
-        assert adm.counts["groups_dropped_stale"] == 1 and not adm.restarts
+        assert adm.counts["groups_dropped_stale"] == 1 and not adm.restarts and adm.drained
     unbounded = StreamAdmission([], StreamConfig(batch_groups=1, active=4), to_sample=lambda r: r)
     groups = [[traj("old", "v0")]]
     assert unbounded.bound_staleness(groups, log) is groups

@@ -51,6 +51,7 @@ from .engines import fit_context_to_engines, load_tokenizer
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
 from .concurrency import ConcurrencyInfo, resolve_concurrency
 from .metrics import step_metrics
+from .stream import StreamConfig, rollout_stream
 from .sync import SyncFacade
 from .types import (
     AgentloopError,
@@ -297,8 +298,6 @@ class Runtime(SyncFacade):
                   async for batch in s:
                       await s.update_weights(train_on(batch))
         """
-        from .stream import StreamConfig, rollout_stream  # the streaming mode builds on this module's Runtime
-
         config = kwargs.pop("config", None)
         if config is None and args and isinstance(args[0], StreamConfig):
             config, args = args[0], args[1:]

@@ -208,8 +208,7 @@ class RolloutStream:
                     raise self._error from None
                 raise StopAsyncIteration from None
             self._poke()  # room in the queue: admission may go on
-            groups = self.admission.bound_staleness(groups, self.versions)
-            self._poke()  # a restarted prompt waits for admission
+            groups = self.admission.bound_staleness(groups, self.versions)  # a restart is admitted on the poke above
             if groups:
                 return self._make_batch(groups)
 

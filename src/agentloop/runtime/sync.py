@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import anyio.from_thread
 
+from .stream import StreamConfig, SyncRolloutStream
 from .types import StepResult
 from ..types import Sample
 
@@ -43,12 +44,10 @@ class SyncFacade:
         portal = self._blocking_portal()
         return portal.call(lambda: self.step(samples, weights, **kwargs))
 
-    def stream_sync(self, feeder: Any, config: Any, **kwargs: Any) -> Any:
+    def stream_sync(self, feeder: Any, config: StreamConfig, **kwargs: Any) -> SyncRolloutStream:
         """The streaming mode from synchronous code: `runtime.stream.SyncRolloutStream(self, feeder,
         config, **kwargs)` (`with rt.stream_sync(prompts, StreamConfig(...)) as s: for batch in s:
         s.update_weights(w)`)."""
-        from .stream import SyncRolloutStream  # the streaming mode builds on the runtime
-
         return SyncRolloutStream(self, feeder, config, **kwargs)
 
     def stop_sync(self) -> None:
