@@ -77,6 +77,7 @@ from .inputs import check_pad_to, check_reward_name, rows_to_samples
 from .stream_admission import StreamAdmission
 from .stream_engines import EngineWatch
 from .stream_groups import StreamGroup, StreamGroups
+from .stream_queue import BatchQueue
 from .stream_types import StreamBatch, StreamConfig
 from .stream_updates import UpdateLog
 
@@ -118,10 +119,7 @@ class RolloutStream:
         self.versions: VersionLog = runtime.scheduler.versions
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed = anyio.Event()
-        self._send, self._receive = anyio.create_memory_object_stream[list[list[Trajectory]]](config.max_queued_batches)
-        #: the batch the batcher is sending, until a receiver took it: a send cancelled while the queue
-        #: is full (the stream closing) drops its item, so `_collect_unconsumed` keeps it from here
-        self._unsent: list[list[Trajectory]] | None = None
+        self.queue: BatchQueue[list[list[Trajectory]]] = BatchQueue(config.max_queued_batches)
         self._update_lock = anyio.Lock()
         self.engines = EngineWatch(runtime.lifecycle, self._stop_with, hung_timeout=runtime.config.engine.hung_timeout,
                                    interval=ENGINE_CHECK_INTERVAL)
@@ -175,23 +173,11 @@ class RolloutStream:
 
     def _collect_unconsumed(self) -> None:
         """After the tasks ended: the groups still queued or waiting to be batched go to `unconsumed`."""
-        while True:
-            try:
-                self.unconsumed.extend(self._received(self._receive.receive_nowait()))
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-        if self._unsent is not None:  # its send was cancelled before anyone took it
-            self.unconsumed.extend(self._unsent)
-            self._unsent = None
-        self._receive.close()  # an unclosed stream warns when it is collected (at exit: a traceback)
+        for groups in self.queue.drain():
+            self.unconsumed.extend(groups)
         ready, partials = self.groups.close()
         self.unconsumed.extend(ready)
         self.leftover.extend(partials)
-
-    def _received(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        if groups is self._unsent:  # taken straight from a waiting send: it is delivered
-            self._unsent = None
-        return groups
 
     # ------------------------------------------------------------------ the trainer's side
     def __aiter__(self) -> "RolloutStream":
@@ -202,7 +188,7 @@ class RolloutStream:
             if self._error is not None:
                 raise self._error
             try:
-                groups = self._received(await self._receive.receive())
+                groups = await self.queue.get()
             except (anyio.EndOfStream, anyio.ClosedResourceError):  # closed: the stream's block has ended
                 if self._error is not None:
                     raise self._error from None
@@ -269,8 +255,7 @@ class RolloutStream:
     def buffered_groups(self) -> int:
         """Complete groups waiting for the trainer: not yet batched, in a batch the queue has no room
         for, or in the queue."""
-        queued = self._send.statistics().current_buffer_used + (1 if self._unsent is not None else 0)
-        return len(self.groups.ready) + queued * self.config.batch_groups
+        return len(self.groups.ready) + self.queue.waiting * self.config.batch_groups
 
     @property
     def counts(self) -> dict[str, int]:
@@ -368,19 +353,18 @@ class RolloutStream:
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:
         B = self.config.batch_groups
-        with self._send:
+        try:
             while True:
                 while len(self.groups.ready) < B and not (self._done and self.groups.ready):
                     if self._done or self._error is not None:
                         return
                     await self._wait_change()
-                groups = self.groups.take(B)
-                self._unsent = groups
                 try:
-                    await self._send.send(groups)  # blocks while the queue is full: backpressure
-                    self._unsent = None  # in the queue, or taken by a receiver
+                    await self.queue.put(self.groups.take(B))  # blocks while the queue is full
                 finally:
                     self._poke()
+        finally:
+            self.queue.close_producer()
 
     @property
     def _done(self) -> bool:
