@@ -485,11 +485,13 @@ def interval_stats(intervals: Sequence[tuple[float, float]], t0: float, t1: floa
 
 class GcTimer:
     """CPU seconds the garbage collector ran between `__enter__` and `__exit__` (part of the process's
-    CPU time), and collections per generation. With a trainer's heap a full collection is a visible share."""
+    CPU time), collections per generation, and the unreachable objects they freed (`collected`: garbage
+    that only the cycle collector could free). With a trainer's heap a full collection is a visible share."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = [0, 0, 0]
+        self.collected = 0
         self._t0 = 0.0
 
     def _cb(self, phase: str, info: dict[str, int]) -> None:
@@ -498,6 +500,7 @@ class GcTimer:
         else:
             self.seconds += time.process_time() - self._t0
             self.collections[info["generation"]] += 1
+            self.collected += info.get("collected", 0)
 
     def __enter__(self) -> "GcTimer":
         gc.callbacks.append(self._cb)
@@ -596,6 +599,7 @@ class BusySampler:
         self._result["client_cpu_seconds"] = r4(own)
         self._result["client_gc_seconds"] = r4(self._gc.seconds)
         self._result["client_gc_full_collections"] = self._gc.collections[2]
+        self._result["client_gc_collected_objects"] = self._gc.collected
         self._result["client_cpu_busy_fraction"] = r4(own / max(wall, 1e-9))
         cpu = self._cpu_seconds()
         if cpu is not None and self._cpu0 >= 0:

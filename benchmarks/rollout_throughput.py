@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         "agentloop_gc_freeze": "agentloop with scheduler.gc_freeze (gc.freeze for the step: its collections skip the "
                                "objects older than the step)",
         "client_gc_seconds": "CPU seconds this process's garbage collector ran during the run (part of "
-                             "client_cpu_seconds); client_gc_full_collections: full collections among them",
+                             "client_cpu_seconds); client_gc_full_collections: full collections among them; "
+                             "client_gc_collected_objects: unreachable objects they freed (reference cycles)",
         "client_gc_tracked_objects": "objects the garbage collector tracked before the sweep (--trainer-heap adds a "
                                      "trainer's: transformers and a 0.5B-shaped model on the meta device)",
         "critical_path_s": "the longest trajectory's chain: its turns' on-server seconds in the ceiling run plus its "
