@@ -13,6 +13,11 @@ weights → rollout → sleep):
   and the finished members of their groups, resumed where they stopped: partial rollout) topped up
   with fresh groups — with `target_groups=G`: once G groups are complete the rest are aborted
   (counted in the step's sleep) and carried over to the next step.
+- **oversample_oldest_first** (with `--ways`): the same over-sampling with `slot_order="oldest_first"`:
+  with a per-server request limit (`--slot-limit`, the runtime's `per_server_concurrency`), a freed
+  request slot goes to the trajectory that started first — the carried groups, then the fresh ones in
+  order — so the surplus only takes slots the older groups leave free instead of slowing every group
+  alike. `--slot-limit` applies to every way (wait_all's step at or below it is not limited by it).
 
 Both return exactly G complete groups per step (checked). Reported: per-step seconds (whole step and
 rollout phase), the reduction of the mean step time, tokens of the returned trajectories per second,
@@ -57,6 +62,9 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 
+WAYS = ("wait_all", "oversample", "oversample_oldest_first")
+
+
 def group_stream(spec: WorkloadSpec, n: int, tag: str, cap: float = math.inf) -> Iterator[list[Sample]]:
     """Groups of `n` members, each member its own replay workload (lengths differ inside a group, as
     sampled answers do). Members are given with their `group_id`, so the scheduler runs each once."""
@@ -77,13 +85,15 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
     in the machine's background load hits both alike)."""
     stream = group_stream(spec, args.group_size, mode, args.tool_latency_cap)
     per_step = args.target_groups if mode == "wait_all" else math.ceil(args.target_groups * args.oversample)
+    over: dict[str, Any] = {} if mode == "wait_all" else {"target_groups": args.target_groups, "partial_rollout": True}
+    if mode == "oversample_oldest_first":
+        over["slot_order"] = "oldest_first"
     carry: list[Sample] = []
     steps = []
     for k in range(args.steps):
         carried_groups = len({s.group_id for s in carry})
         fresh = [m for _ in range(per_step - carried_groups) for m in next(stream)]
         samples = carry + fresh
-        over = {"target_groups": args.target_groups, "partial_rollout": True} if mode == "oversample" else {}
         emitted: list[float] = []
         t_call = time.monotonic()
         res = await rt.step(samples, Weights(state_dict=weights_sd, version=f"{mode}-v{k}"),
@@ -133,15 +143,16 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
     async with open_engine(args, max_running=max(256, total)) as engine:
         out["engine"] = engine.description
         weights_sd = trainer_weights(engine)
-        cfg = runtime_config(engine, args, concurrency=total, n=1)
+        cfg = runtime_config(engine, args, concurrency=total, n=1, per_server_concurrency=args.slot_limit)
         async with Runtime(cfg) as rt, left_awake(rt, lambda: Weights(state_dict=weights_sd, version="final")):
             await rt.step([m for g in group_stream(warm_up_spec(), 2, "warm") for m in g],
                           Weights(state_dict=weights_sd, version="v0"))
             modes: dict[str, list[dict[str, Any]]] = {}
             out["steps"] = modes
-            ways = {mode: run_mode(rt, mode, args, spec, weights_sd) for mode in ("wait_all", "oversample")}
+            ways = {mode: run_mode(rt, mode, args, spec, weights_sd) for mode in args.ways}
             for k in range(args.steps):
-                for mode in (("wait_all", "oversample") if k % 2 == 0 else ("oversample", "wait_all")):
+                # The order rotates step by step, so a change in the machine's background load hits every way alike.
+                for mode in args.ways[k % len(args.ways):] + args.ways[:k % len(args.ways)]:
                     modes.setdefault(mode, []).append(await ways[mode].__anext__())
                 save(out)
             for way in ways.values():
@@ -156,13 +167,20 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
             "trajectories_mixing_versions": sum(s["returned_mixing_weight_versions"] for s in steps),
             "mean_stop_tail_s": r4(sum(s["stop_tail_s"] for s in steps) / len(steps)),
         }
-    summary["step_time_reduction"] = r4(1 - summary["oversample"]["mean_step_s"] / summary["wait_all"]["mean_step_s"])
-    summary["first_step_time_reduction"] = r4(1 - modes["oversample"][0]["step_s"] / modes["wait_all"][0]["step_s"])
-    summary["steady_state_step_time_reduction"] = r4(1 - _mean_after_first(modes["oversample"]) / _mean_after_first(modes["wait_all"])) \
-        if args.steps > 1 else None
+    base = summary["wait_all"]
+    for mode in args.ways[1:]:
+        # `oversample`'s figures keep their names from before the third way; the others get the way's prefix.
+        pre = "" if mode == "oversample" else f"{mode}_"
+        summary[f"{pre}step_time_reduction"] = r4(1 - summary[mode]["mean_step_s"] / base["mean_step_s"])
+        summary[f"{pre}first_step_time_reduction"] = r4(1 - modes[mode][0]["step_s"] / modes["wait_all"][0]["step_s"])
+        summary[f"{pre}steady_state_step_time_reduction"] = \
+            r4(1 - _mean_after_first(modes[mode]) / _mean_after_first(modes["wait_all"])) if args.steps > 1 else None
+        summary[mode]["returned_tokens_per_s_over_wait_all"] = \
+            r4(summary[mode]["returned_tokens_per_s"] / base["returned_tokens_per_s"])
+        print(f"mean step: wait_all {base['mean_step_s']:.3f}s  {mode} {summary[mode]['mean_step_s']:.3f}s  "
+              f"reduction {100 * summary[f'{pre}step_time_reduction']:.1f}%; returned tokens/s "
+              f"{summary[mode]['returned_tokens_per_s_over_wait_all']:.2f}x wait_all's", flush=True)
     out["summary"] = summary
-    print(f"mean step: wait_all {summary['wait_all']['mean_step_s']:.3f}s  oversample {summary['oversample']['mean_step_s']:.3f}s  "
-          f"reduction {100 * summary['step_time_reduction']:.1f}%", flush=True)
     return out
 
 
@@ -174,11 +192,15 @@ def _mean_after_first(steps: list[dict[str, Any]]) -> float:
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
-    width = 0.38
-    for j, (mode, label) in enumerate((("wait_all", "wait for every trajectory"),
-                                       ("oversample", f"over-sample x{report['settings']['oversample']:g} + abort"))):
+    over = f"over-sample x{report['settings']['oversample']:g} + abort"
+    labels = {"wait_all": "wait for every trajectory", "oversample": over,
+              "oversample_oldest_first": f"{over}, oldest first"}
+    ways = [m for m in labels if m in report["steps"]]
+    width = 0.8 / len(ways)
+    for j, mode in enumerate(ways):
+        label = labels[mode]
         steps = report["steps"][mode]
-        xs = [s["step"] + (j - 0.5) * width for s in steps]
+        xs = [s["step"] + (j - (len(ways) - 1) / 2) * width for s in steps]
         roll = [s["rollout_s"] - max(0.0, s["stop_tail_s"]) for s in steps]
         tail = [max(0.0, s["stop_tail_s"]) for s in steps]
         rest = [s["step_s"] - s["rollout_s"] for s in steps]
@@ -188,7 +210,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ax.bar(xs, tail, width, bottom=roll, color=color, alpha=0.45, hatch="//",
                    label=f"{label}: early stop (abort, wait for the rest)")
         ax.bar(xs, rest, width, bottom=[a + b for a, b in zip(roll, tail)], color="gray", alpha=0.5,
-               label="wake-up + sleep" if j == 1 else None)
+               label="wake-up + sleep" if j == len(ways) - 1 else None)
     s = report["summary"]
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
@@ -196,9 +218,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     st = report["settings"]
+    means = " / ".join(f"{s[m]['mean_step_s']:.2f}s" for m in ways[1:])
+    ratios = " / ".join(f"{s[m].get('returned_tokens_per_s_over_wait_all', float('nan')):.2f}x" for m in ways[1:])
     ax.set_title(f"Time to {st['target_groups']} complete groups of {st['group_size']}: mean step "
-                 f"{s['wait_all']['mean_step_s']:.2f}s -> {s['oversample']['mean_step_s']:.2f}s "
-                 f"({-100 * s['step_time_reduction']:+.0f}% step time)\n{title_suffix(report)}", fontsize=8)
+                 f"{s['wait_all']['mean_step_s']:.2f}s -> {means} (returned tok/s {ratios} wait-all's)"
+                 f"\n{title_suffix(report)}", fontsize=8)
     save_figure(fig, path)
 
 
@@ -215,7 +239,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--tool-latency-cap", type=float, default=float("inf"), help="tool latency cap, seconds")
     w.add_argument("--tool-result-median", type=float, default=8.0)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--ways", nargs="+", choices=WAYS, default=["wait_all", "oversample"],
+                   help="ways to compare, side by side (wait_all first: the others' ratios are to it)")
+    w.add_argument("--slot-limit", type=int, default=None,
+                   help="generate requests in flight per server (the runtime's per_server_concurrency; "
+                        "oversample_oldest_first's slots); default: no limit")
     args = p.parse_args(argv)
+    if args.ways[0] != "wait_all" or len(set(args.ways)) != len(args.ways):
+        p.error("--ways: wait_all first, each way once")
     if args.smoke:
         args.target_groups, args.group_size, args.oversample, args.steps = 2, 2, 2.0, 2
         args.gen_median, args.gen_max, args.prompt_tokens, args.tool_latency_mean, args.tool_result_median = 3, 12, 8, 0.0, 2

@@ -257,6 +257,31 @@ async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str
     assert after_busy == (["deep", "fresh"] if order == "depth_first" else ["fresh", "deep"])
 
 
+@pytest.mark.parametrize("order", ["oldest_first", "depth_first", "fifo"])
+async def test_oldest_first_gives_a_freed_slot_to_the_older_session(order: str) -> None:
+    """The older session wins over a younger one that is deeper (depth_first's pick) and that asked first
+    (fifo's pick): with over-sampling the carried groups, started first, are not slowed by the surplus."""
+    a = FakeEngine("http://a", token_delay=0.02)
+    router = Router(Lifecycle([a]), per_server_limit=1, slot_order=order)
+    old, young, busy = router.session("old"), router.session("young"), router.session("busy")
+    await young([1], P)
+    await young([1, 2, 3], P)  # two model turns behind it
+    slot = router.slots("http://a")
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy, [1], SamplingParams(max_new_tokens=10))
+            while slot.free:
+                await anyio.sleep(0.001)
+            tg.start_soon(young, [1, 2, 3, 4], P)  # deeper, and asks first ...
+            while len(slot._heap) < 1:
+                await anyio.sleep(0.001)
+            tg.start_soon(old, [7], P)  # ... the older session second
+            while len(slot._heap) < 2:
+                await anyio.sleep(0.001)
+    after_busy = [rid.split("-")[0] for rid, _ in a.generates][3:]
+    assert after_busy == (["old", "young"] if order == "oldest_first" else ["young", "old"])
+
+
 def test_slot_order_is_validated() -> None:
     with pytest.raises(ValueError, match="slot_order"):
         Router(Lifecycle([FakeEngine("http://a")]), slot_order="lifo")  # type: ignore[arg-type]

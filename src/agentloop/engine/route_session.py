@@ -25,7 +25,13 @@ log = logging.getLogger("agentloop.engine.router")
 
 __all__ = ["RouteSession", "SessionRouter", "SlotOrder"]
 
-SlotOrder = Literal["depth_first", "fifo"]
+SlotOrder = Literal["depth_first", "fifo", "oldest_first"]
+SLOT_ORDERS: tuple[str, ...] = ("depth_first", "fifo", "oldest_first")
+
+
+def check_slot_order(order: object) -> None:
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"slot_order must be one of {', '.join(SLOT_ORDERS)}, got {order!r}")
 
 
 class SessionRouter(Protocol):
@@ -167,7 +173,7 @@ class RouteSession:
         if slot is not None:
             if self.stopped:
                 return None
-            entry = slot.enqueue((-len(self.rids), self.age) if self.slot_order == "depth_first" else (0, 0))
+            entry = slot.enqueue(self._slot_key())
             if entry is not None:
                 # Most turns wait here (more trajectories than slots): the wait is withdrawn by `stop()`
                 # rather than run in a cancel scope, whose cost per turn was a visible share of the client's CPU.
@@ -238,6 +244,14 @@ class RouteSession:
         if url not in self.router.urls:  # taken out of rotation meanwhile
             return True
         return e.status is not None and e.status >= 500
+
+    def _slot_key(self) -> tuple[int, ...]:
+        """This turn's place in a per-server slot queue (lowest first; FIFO among equal keys)."""
+        if self.slot_order == "depth_first":  # most model turns behind it, then the oldest session
+            return (-len(self.rids), self.age)
+        if self.slot_order == "oldest_first":  # the session started first: a step's carried groups, then
+            return (self.age, 0)               # its groups in the order they were given
+        return (0, 0)
 
     def _not_dispatched(self) -> GenerateOutput:
         return GenerateOutput(

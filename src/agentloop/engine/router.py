@@ -23,6 +23,9 @@ This module owns *which server* serves a model turn. `Router.session(key)` retur
   fresh first turn. On the H200 (1024 trajectories, c = 256, 0.5 s tools) depth_first measured 0.94x
   fifo's throughput (benchmarks/results/rollout_throughput_sweep_sglang.json): finishing started
   trajectories first did not shorten the tail there, so it is an option, not the default.
+  `"oldest_first"`: the trajectory whose session started first (in a step, the order of its samples:
+  the carried groups first, then the fresh ones), so over-sampling's surplus takes only the slots the
+  older groups leave free and does not slow the groups that will end the step.
 - **The gate**: generation goes only through `Gate.generate(url, ...)`; each request carries a
   unique rid, so `RouteSession.in_flight_rid` can be aborted on the servers directly.
 - **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
@@ -51,7 +54,7 @@ from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle
-from .route_session import RouteSession, SlotOrder
+from .route_session import RouteSession, SlotOrder, check_slot_order
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +90,7 @@ class Router:
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
-        if slot_order not in ("depth_first", "fifo"):
-            raise ValueError(f"slot_order must be 'depth_first' or 'fifo', got {slot_order!r}")
+        check_slot_order(slot_order)
         self.gate: Gate = gate.gate if isinstance(gate, Lifecycle) else gate
         self.per_server_limit = per_server_limit
         self.max_retries = max_retries
@@ -116,8 +118,7 @@ class Router:
         of its turns gets a freed per-server slot first (None: the router's `slot_order`); given with
         the session, so runs with different orders never change a setting shared by the router."""
         order = self.slot_order if slot_order is None else slot_order
-        if order not in ("depth_first", "fifo"):
-            raise ValueError(f"slot_order must be 'depth_first' or 'fifo', got {order!r}")
+        check_slot_order(order)
         return RouteSession(self, key, age=next(self._sessions), slot_order=order)
 
     @property
