@@ -383,7 +383,8 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
         def weights() -> Weights:
             return Weights(state_dict=sd, version=f"w{next(counter)}")
 
-        cfg = runtime_config(engine, args, concurrency=max(args.active), n=n, gc_freeze=args.gc_freeze)
+        cfg = runtime_config(engine, args, concurrency=max(args.active), n=n, gc_freeze=args.gc_freeze,
+                             per_server_concurrency=args.slot_limit, slot_order=args.slot_order)
         async with Runtime(cfg) as rt, left_awake(rt, weights):
             await rt.step([Sample(uid=f"warm{i}", messages=[], agent="replay",
                                   extra={"replay": {"prompt_tokens": 8, "turns": t}})
@@ -487,6 +488,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="every mode runs with the client heap frozen while it generates (scheduler.gc_freeze: per "
                    "step, over the stream's life, over the bare client's run), so full collections walk what the run "
                    "allocated, not the trainer-side heap (torch, the weights' model) built before it")
+    w.add_argument("--slot-limit", type=int, default=None,
+                   help="agentloop's modes: generate requests in flight per server (per_server_concurrency; e.g. the "
+                        "server's decode CUDA graph batch); the bare client is not limited. Default: no limit")
+    w.add_argument("--slot-order", choices=["fifo", "depth_first", "oldest_first"], default="fifo",
+                   help="with --slot-limit: who gets a freed slot (scheduler.slot_order)")
     args = p.parse_args(argv)
     if args.gpu_scale:  # the issue's workload as defaults: flags given on the command line still win
         p.set_defaults(turns=4, prompt_tokens=256, gen_median=64.0, gen_sigma=1.0, gen_max=1024, tool_result_median=32.0,
