@@ -65,7 +65,12 @@ def logprobs_under(model: Any, prompt: list[int], response: list[int]) -> list[f
 
 
 @pytest.mark.slow
-async def test_twenty_in_flight_updates_keep_every_token_version_exact(models: tuple[Path, Path], pool: EnginePool) -> None:
+@pytest.mark.parametrize("slots,drain", [(None, "client"), (3, "server")], ids=["unlimited", "slots3-server-drain"])
+async def test_twenty_in_flight_updates_keep_every_token_version_exact(models: tuple[Path, Path], pool: EnginePool,
+                                                                       slots: int | None, drain: str) -> None:
+    """Also under a per-server request limit below `active` (the setting benchmarks/README.md recommends for
+    many trajectories in flight) with the server's drain: requests waiting for a slot across an update
+    must be sampled by the new weights and labelled so."""
     from transformers import AutoModelForCausalLM
 
     a_dir, b_dir = models
@@ -74,9 +79,10 @@ async def test_twenty_in_flight_updates_keep_every_token_version_exact(models: t
     seen: list[str] = []
     trajs = []
     async with pool.servers(1) as (proc,):
-        rt = Runtime({"engine": {"tokenizer": str(a_dir)}, "scheduler": {"n": 2}}, clients=[SGLangClient(proc.url)])
+        rt = Runtime({"engine": {"tokenizer": str(a_dir)}, "scheduler": {"n": 2, "per_server_concurrency": slots}},
+                     clients=[SGLangClient(proc.url)])
         async with rt:
-            async with rollout_stream(rt, replay_feed(24), StreamConfig(batch_groups=1, active=8)) as s:
+            async with rollout_stream(rt, replay_feed(24), StreamConfig(batch_groups=1, active=8, drain=drain)) as s:
                 which[s.weight_version or ""] = "A"  # the first wake-up reloads the served model (A) from disk
                 async for batch in s:
                     assert rt.lifecycle.state is EngineState.AWAKE  # never slept while streaming
@@ -93,6 +99,8 @@ async def test_twenty_in_flight_updates_keep_every_token_version_exact(models: t
     # updates interrupted running turns, which went on in place (one assistant turn in pieces of
     # different versions), not as partial rollouts resumed by the stream ...
     assert sum(m["update_interrupted"]) > 0 and m["trajectories_resumed"] == 0
+    if slots is not None:  # only requests holding a slot were on the server to be interrupted
+        assert max(m["update_interrupted"]) <= slots
     assert any(len(t.turns) > t.num_turns for t in trajs)
     spanning = [t for t in trajs if len({tr.weight_version for tr in t.turns}) > 1]
     assert spanning  # ... and trajectories went on under the new weights
