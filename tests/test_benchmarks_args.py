@@ -30,6 +30,16 @@ def test_long_tail_tool_latency_flag() -> None:
     assert lt.parse_args(["--tool-latency-mean", "0.3"]).tool_latency_mean == 0.3
 
 
+def test_long_tail_ways_and_slot_limit() -> None:
+    lt = bench_module("long_tail")
+    a = lt.parse_args(["--ways", "wait_all", "oversample", "oversample_oldest_first", "--slot-limit", "256"])
+    assert a.ways == ["wait_all", "oversample", "oversample_oldest_first"] and a.slot_limit == 256
+    assert lt.parse_args([]).ways == ["wait_all", "oversample"] and lt.parse_args([]).slot_limit is None
+    for bad in (["oversample", "wait_all"], ["wait_all", "oversample", "oversample"]):  # baseline first, each once
+        with pytest.raises(SystemExit):
+            lt.parse_args(["--ways", *bad])
+
+
 @pytest.mark.parametrize("name", ["long_tail", "lifecycle", "rollout_throughput"])
 def test_help_shows_the_whole_first_paragraph(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     mod = bench_module(name)

@@ -1,7 +1,8 @@
 """The per-server request slots of the router: a semaphore whose waiters are served by priority.
 
 `Router` gives each server `per_server_limit` slots; with `scheduler.slot_order` the key decides who
-gets a freed slot (fifo: arrival order; depth_first: the trajectory with most turns behind it).
+gets a freed slot (fifo: arrival order; depth_first: the trajectory with most turns behind it;
+oldest_first: the session that started first).
 """
 
 from __future__ import annotations
