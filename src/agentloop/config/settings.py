@@ -194,8 +194,12 @@ class SchedulerConfig(_Strict):
         "internal_states[].effective_max_running_requests_per_dp), on the embedded CPU engine 64; see "
         "agentloop.runtime.concurrency. summary.json's `concurrency` says what was used and why.",
     )
-    per_server_concurrency: int | None = Field(
-        None, ge=1, description="Most generate requests in flight on one server (None: no per-server limit)."
+    per_server_concurrency: int | Literal["auto"] | None = Field(
+        None, description="Most generate requests in flight on one server (None: no per-server limit). auto: the "
+        "servers' decode CUDA graph batch, read from /server_info when the runtime starts (the smallest over the "
+        "servers; no limit if none reports one), so SGLang keeps decoding inside its graphs when many more "
+        "trajectories are in flight; summary.json's `concurrency` says what was used and why. The limit is per "
+        "router: per Ray worker in Ray mode.",
     )
     slot_order: Literal["fifo", "depth_first", "oldest_first"] = Field(
         "fifo",
@@ -281,11 +285,11 @@ class SchedulerConfig(_Strict):
         "objects are collected after it); skipped if anything else has frozen objects. See agentloop.gc_scope.",
     )
 
-    @field_validator("concurrency", mode="before")
+    @field_validator("concurrency", "per_server_concurrency", mode="before")
     @classmethod
-    def _int_or_auto(cls, v: Any) -> Any:
+    def _int_or_auto(cls, v: Any, info: Any) -> Any:
         # One message for the union (pydantic would give one per member, under odd location names).
-        if v == "auto":
+        if v == "auto" or (v is None and info.field_name == "per_server_concurrency"):
             return v
         if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, str) and not v.strip().isdigit()):
             raise ValueError("Input should be a valid integer or 'auto'")

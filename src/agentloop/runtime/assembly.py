@@ -63,9 +63,13 @@ def make_router(gate: Gate, config: RuntimeConfig, *, router_cls: type[Router] =
     `sole_client`: no other router generates on these servers (a local runtime holding the owner lease),
     so a stop may abort everything on a server at once."""
     scfg = config.scheduler
+    limit = scfg.per_server_concurrency if per_server else None
+    if limit == "auto":  # resolved from the servers by Runtime.start (runtime/concurrency.py)
+        raise ValueError("scheduler.per_server_concurrency 'auto' is resolved when a Runtime starts (from the servers' "
+                         "/server_info); a router built without one needs a number or None")
     return router_cls(
         gate,
-        per_server_limit=scfg.per_server_concurrency if per_server else None,
+        per_server_limit=limit,
         slot_order=scfg.slot_order,
         max_retries=scfg.max_turn_retries,
         failure_threshold=scfg.server_failure_threshold,

@@ -19,6 +19,14 @@ running batch by it, so it is not applied twice; a step whose trajectories outgr
 SGLang queue or retract requests, which the engine busy fraction of `summary.json` then shows.
 An integer `concurrency` is used as given (the info says so). The CPU engine serves the same fields
 the same way (`engine/local/server.py`), so the rule is tested without a GPU.
+
+`scheduler.per_server_concurrency: auto` (opt-in; the default is no per-server limit) becomes the
+servers' decode CUDA graph batch (`decode_graph_batch`): past it SGLang decodes without its graphs, and
+with hundreds of trajectories in flight a limit there measured faster on an H100 (benchmarks/README.md,
+"A per-server request limit"). Read from the server args in `/server_info`: sglang 0.5.17's resolved
+`cuda_graph_config.decode.max_bs` (unless its backend is "disabled"), else `cuda_graph_max_bs_decode`,
+else the older `cuda_graph_max_bs`; `disable_cuda_graph` means none. The router has one limit for every
+server: the smallest reported; if no server reports one, no limit (and the rule says why).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from ..engine.base import EngineClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPU_ENGINE_CONCURRENCY", "ConcurrencyInfo", "resolve_concurrency", "server_capacity"]
+__all__ = ["CPU_ENGINE_CONCURRENCY", "ConcurrencyInfo", "decode_graph_batch", "resolve_concurrency", "server_capacity"]
 
 
 @dataclass
@@ -47,6 +55,10 @@ class ConcurrencyInfo:
     #: Generate requests all servers admit at once (None: unknown, e.g. a server that reports nothing).
     engine_capacity: int | None = None
     per_server: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: `scheduler.per_server_concurrency` as configured, what it resolved to (None: no limit), and why.
+    per_server_setting: int | str | None = None
+    per_server_used: int | None = None
+    per_server_rule: str = "not set: no per-server limit"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,6 +79,22 @@ def server_capacity(info: Mapping[str, Any]) -> int | None:
     if n is not None:
         return n * (_int(info.get("dp_size")) or 1)
     return None
+
+
+def decode_graph_batch(info: Mapping[str, Any]) -> int | None:
+    """The largest batch one server decodes inside its CUDA graphs, from its `/server_info` (None: no
+    graphs, or not reported)."""
+    if info.get("disable_cuda_graph") is True:
+        return None
+    graphs = info.get("cuda_graph_config")
+    decode = graphs.get("decode") if isinstance(graphs, Mapping) else None
+    if isinstance(decode, Mapping):
+        if str(decode.get("backend", "")).lower() == "disabled":
+            return None
+        n = _int(decode.get("max_bs"))
+        if n is not None:
+            return n
+    return _int(info.get("cuda_graph_max_bs_decode")) or _int(info.get("cuda_graph_max_bs"))
 
 
 def is_cpu_engine(info: Mapping[str, Any]) -> bool:
@@ -99,8 +127,9 @@ async def resolve_concurrency(config: RuntimeConfig, clients: Sequence[EngineCli
             "max_total_num_tokens": _int(info.get("max_total_num_tokens")) if info is not None else None,
         }
     capacity = sum(c for c in caps if c is not None) if caps and all(c is not None for c in caps) else None
+    config, per_server_limit = _resolve_per_server(config, infos, per_server)
     if isinstance(setting, int):
-        return config, ConcurrencyInfo(setting, setting, "set in the configuration", capacity, per_server)
+        return config, ConcurrencyInfo(setting, setting, "set in the configuration", capacity, per_server, **per_server_limit)
     if infos and all(i is not None and is_cpu_engine(i) for i in infos):
         used, rule = CPU_ENGINE_CONCURRENCY, f"auto: the CPU engine's default ({CPU_ENGINE_CONCURRENCY})"
     else:
@@ -112,4 +141,27 @@ async def resolve_concurrency(config: RuntimeConfig, clients: Sequence[EngineCli
             log.warning("concurrency auto: %s report no max running requests; each counts as %d",
                         ", ".join(unknown), CPU_ENGINE_CONCURRENCY)
     scheduler = config.scheduler.model_copy(update={"concurrency": used})
-    return config.model_copy(update={"scheduler": scheduler}), ConcurrencyInfo(setting, used, rule, capacity, per_server)
+    return (config.model_copy(update={"scheduler": scheduler}),
+            ConcurrencyInfo(setting, used, rule, capacity, per_server, **per_server_limit))
+
+
+def _resolve_per_server(config: RuntimeConfig, infos: Sequence[Mapping[str, Any] | None],
+                        per_server: dict[str, dict[str, Any]]) -> tuple[RuntimeConfig, dict[str, Any]]:
+    """`scheduler.per_server_concurrency` made an integer (or None) when it is `auto`, and why."""
+    setting = config.scheduler.per_server_concurrency
+    graphs = [decode_graph_batch(i) if i is not None else None for i in infos]
+    if setting != "auto":
+        rule = "set in the configuration" if setting is not None else "not set: no per-server limit"
+        return config, {"per_server_setting": setting, "per_server_used": setting, "per_server_rule": rule}
+    known = [n for n in graphs if n is not None]
+    used = min(known) if known else None
+    if used is None:
+        rule = "auto: no server reports a decode CUDA graph batch (/server_info): no per-server limit"
+        log.warning("per_server_concurrency auto: %s; set a number to limit the requests per server", rule[6:])
+    else:
+        silent = [u for u, n in zip(per_server, graphs) if n is None]
+        rule = "auto: the servers' decode CUDA graph batch (/server_info)" + (
+            f"; {', '.join(silent)} reported none" if silent else "")
+    scheduler = config.scheduler.model_copy(update={"per_server_concurrency": used})
+    return (config.model_copy(update={"scheduler": scheduler}),
+            {"per_server_setting": setting, "per_server_used": used, "per_server_rule": rule})
