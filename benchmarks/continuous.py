@@ -78,6 +78,7 @@ from agentloop.runtime import Runtime  # noqa: E402  (first: the package's impor
 from agentloop.agents.replay import _fixed_ids  # noqa: E402  (the replay loop's own per-uid ids)
 from agentloop.engine.base import SamplingParams  # noqa: E402
 from agentloop.engine.lifecycle import Weights  # noqa: E402
+from agentloop.engine.route_session import SLOT_ORDERS  # noqa: E402
 from agentloop.runtime.stream import StreamConfig, rollout_stream  # noqa: E402
 from agentloop.scheduler.gc_scope import frozen_heap  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
@@ -491,7 +492,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--slot-limit", type=int, default=None,
                    help="agentloop's modes: generate requests in flight per server (per_server_concurrency; e.g. the "
                         "server's decode CUDA graph batch); the bare client is not limited. Default: no limit")
-    w.add_argument("--slot-order", choices=["fifo", "depth_first", "oldest_first"], default="fifo",
+    w.add_argument("--slot-order", choices=SLOT_ORDERS, default="fifo",
                    help="with --slot-limit: who gets a freed slot (scheduler.slot_order)")
     args = p.parse_args(argv)
     if args.gpu_scale:  # the workload as defaults: flags given on the command line still win

@@ -234,52 +234,41 @@ async def test_priority_slots_withdrawn_wait_takes_no_slot_and_a_granted_one_kee
     assert slots.free == 1
 
 
-@pytest.mark.parametrize("order", ["depth_first", "fifo"])
-async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str) -> None:
+async def served_after_busy(order: str, names: tuple[str, str, str], deep: str, asks_first: str) -> list[str]:
+    """Three sessions made in the order of `names` (the first is the oldest) on a server with one slot;
+    `deep` gets two model turns behind it, a third session holds the slot, then `asks_first` queues for
+    it before the other one: the order the two were served in once the slot came free."""
     a = FakeEngine("http://a", token_delay=0.02)
     router = Router(Lifecycle([a]), per_server_limit=1, slot_order=order)
-    deep, fresh, busy = router.session("deep"), router.session("fresh"), router.session("busy")
-    await deep([1], P)
-    await deep([1, 2, 3], P)  # two model turns behind it
+    sessions = {name: router.session(name) for name in names}
+    await sessions[deep]([1], P)
+    await sessions[deep]([1, 2, 3], P)
+    second = next(n for n in names if n not in (asks_first, "busy"))
     slot = router.slots("http://a")
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(busy, [1], SamplingParams(max_new_tokens=10))
+            tg.start_soon(sessions["busy"], [1], SamplingParams(max_new_tokens=10))
             while slot.free:
                 await anyio.sleep(0.001)
-            tg.start_soon(fresh, [7], P)  # arrives first ...
-            while len(slot._heap) < 1:
-                await anyio.sleep(0.001)
-            tg.start_soon(deep, [1, 2, 3, 4], P)  # ... the deeper trajectory second
-            while len(slot._heap) < 2:
-                await anyio.sleep(0.001)
-    after_busy = [rid.split("-")[0] for rid, _ in a.generates][3:]
-    assert after_busy == (["deep", "fresh"] if order == "depth_first" else ["fresh", "deep"])
+            for queued, name in enumerate((asks_first, second), start=1):
+                tg.start_soon(sessions[name], [1, 2, 3, 4] if name == deep else [7], P)
+                while len(slot._heap) < queued:
+                    await anyio.sleep(0.001)
+    return [rid.split("-")[0] for rid, _ in a.generates][3:]
+
+
+@pytest.mark.parametrize("order", ["depth_first", "fifo"])
+async def test_slot_order_gives_a_freed_slot_to_the_deeper_trajectory(order: str) -> None:
+    served = await served_after_busy(order, ("deep", "fresh", "busy"), deep="deep", asks_first="fresh")
+    assert served == (["deep", "fresh"] if order == "depth_first" else ["fresh", "deep"])
 
 
 @pytest.mark.parametrize("order", ["oldest_first", "depth_first", "fifo"])
 async def test_oldest_first_gives_a_freed_slot_to_the_older_session(order: str) -> None:
     """The older session wins over a younger one that is deeper (depth_first's pick) and that asked first
     (fifo's pick): with over-sampling the carried groups, started first, are not slowed by the surplus."""
-    a = FakeEngine("http://a", token_delay=0.02)
-    router = Router(Lifecycle([a]), per_server_limit=1, slot_order=order)
-    old, young, busy = router.session("old"), router.session("young"), router.session("busy")
-    await young([1], P)
-    await young([1, 2, 3], P)  # two model turns behind it
-    slot = router.slots("http://a")
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(busy, [1], SamplingParams(max_new_tokens=10))
-            while slot.free:
-                await anyio.sleep(0.001)
-            tg.start_soon(young, [1, 2, 3, 4], P)  # deeper, and asks first ...
-            while len(slot._heap) < 1:
-                await anyio.sleep(0.001)
-            tg.start_soon(old, [7], P)  # ... the older session second
-            while len(slot._heap) < 2:
-                await anyio.sleep(0.001)
-    after_busy = [rid.split("-")[0] for rid, _ in a.generates][3:]
-    assert after_busy == (["old", "young"] if order == "oldest_first" else ["young", "old"])
+    served = await served_after_busy(order, ("old", "young", "busy"), deep="young", asks_first="young")
+    assert served == (["old", "young"] if order == "oldest_first" else ["young", "old"])
 
 
 def test_slot_order_is_validated() -> None:

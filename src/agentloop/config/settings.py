@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..agents.base import AgentConfig, SamplingConfig
 from ..engine.base import MEMORY_TAGS, engine_url
+from ..engine.route_session import SlotOrder
 
 __all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SamplingConfig", "SchedulerConfig"]
 
@@ -201,7 +202,7 @@ class SchedulerConfig(_Strict):
         "trajectories are in flight; summary.json's `concurrency` says what was used and why. The limit is per "
         "router: per Ray worker in Ray mode.",
     )
-    slot_order: Literal["fifo", "depth_first", "oldest_first"] = Field(
+    slot_order: SlotOrder = Field(
         "fifo",
         description="With per_server_concurrency, who gets a freed request slot first: fifo = arrival order; "
         "depth_first = the trajectory with the most model turns behind it (then the oldest). Measured on an H200 "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Awaitable, Callable, Iterator, Literal, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Literal, Protocol, get_args
 
 import anyio
 
@@ -26,7 +26,7 @@ log = logging.getLogger("agentloop.engine.router")
 __all__ = ["RouteSession", "SessionRouter", "SlotOrder"]
 
 SlotOrder = Literal["depth_first", "fifo", "oldest_first"]
-SLOT_ORDERS: tuple[str, ...] = ("depth_first", "fifo", "oldest_first")
+SLOT_ORDERS: tuple[str, ...] = get_args(SlotOrder)
 
 
 def check_slot_order(order: object) -> None:
