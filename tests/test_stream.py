@@ -14,7 +14,8 @@ import pytest
 
 from agentloop.engine.lifecycle import EngineState
 from agentloop.runtime import Runtime
-from agentloop.runtime.stream import StreamConfig, SyncRolloutStream, rollout_stream
+from agentloop.runtime.stream import StreamConfig, rollout_stream
+from agentloop.runtime.stream_sync import SyncRolloutStream
 from agentloop.types import Sample
 
 from test_scheduler_support import FakeEngine, length_reward, samples

@@ -8,8 +8,8 @@ For a trainer that does not need the GPU back (disaggregated, or a small trainer
             weights = train_on(batch)
             await s.update_weights(weights)        # in flight: end what runs → load → go on
 
-and from synchronous code `SyncRolloutStream(runtime, feeder, config)` (the runtime's blocking portal;
-same coroutines). What happens:
+and from synchronous code `SyncRolloutStream(runtime, feeder, config)` (stream_sync.py: the runtime's
+blocking portal, same coroutines). What happens:
 
 - **Wake-up once**: the stream takes the runtime's step lock for its whole life (no `step` runs
   meanwhile), finishes a failed sleep if one is pending, and wakes the engines with the staged
@@ -66,18 +66,19 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Mapping
 import anyio
 import anyio.abc
 
-from ..batch import collate
 from ..engine.lifecycle import EngineState, Lifecycle, Weights
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
 from ..scheduler.gc_scope import frozen_heap
-from ..scheduler.staleness import VersionLog, token_staleness
-from ..types import Sample, Trajectory, training_rows
+from ..scheduler.staleness import VersionLog
+from ..types import Sample, Trajectory
 from .inputs import check_pad_to, check_reward_name, rows_to_samples
 from .stream_admission import StreamAdmission
+from .stream_batches import StreamBatches
 from .stream_engines import EngineWatch
 from .stream_groups import StreamGroup, StreamGroups
 from .stream_queue import BatchQueue
+from .stream_sync import SyncRolloutStream
 from .stream_types import StreamBatch, StreamConfig
 from .stream_updates import UpdateLog
 
@@ -127,7 +128,7 @@ class RolloutStream:
         self._closing = False
         self._error: Exception | None = None  # why admission stopped, if the feeder failed
         self.in_flight = 0
-        self.batches = 0
+        self.batches = StreamBatches(self.versions, runtime.pad_token_id, self.pad_to)
         #: Samples of trajectories still unfinished when the stream closed (partials on `resume_from`):
         #: pass them to a later `step` or stream to continue them.
         self.leftover: list[Sample] = []
@@ -196,7 +197,8 @@ class RolloutStream:
             self._poke()  # room in the queue: admission may go on
             groups = self.admission.bound_staleness(groups, self.versions)  # a restart is admitted on the poke above
             if groups:
-                return self._make_batch(groups)
+                return self.batches.make(groups, self.weight_version,
+                                         in_flight=self.in_flight, buffered_groups=self.buffered_groups)
 
     async def update_weights(self, weights: Any, version: str | None = None) -> str | None:
         """Apply new weights in flight (see the module docstring); returns the version now served.
@@ -227,25 +229,11 @@ class RolloutStream:
             return served
 
     # Each update's cost, one entry per update (`UpdateLog`; also in `metrics`): public since before the split.
-    @property
-    def update_seconds(self) -> list[float]:
-        return self.updates.seconds
-
-    @property
-    def update_drain_seconds(self) -> list[float]:
-        return self.updates.drain_seconds
-
-    @property
-    def update_load_seconds(self) -> list[float]:
-        return self.updates.load_seconds
-
-    @property
-    def update_cpu_seconds(self) -> list[float]:
-        return self.updates.cpu_seconds
-
-    @property
-    def update_interrupted(self) -> list[int]:
-        return self.updates.interrupted
+    update_seconds = property(lambda self: self.updates.seconds, doc="seconds of each update")
+    update_drain_seconds = property(lambda self: self.updates.drain_seconds, doc="of which the drain")
+    update_load_seconds = property(lambda self: self.updates.load_seconds, doc="of which the load")
+    update_cpu_seconds = property(lambda self: self.updates.cpu_seconds, doc="this process's CPU seconds")
+    update_interrupted = property(lambda self: self.updates.interrupted, doc="requests each update interrupted")
 
     @property
     def weight_version(self) -> str | None:
@@ -265,7 +253,7 @@ class RolloutStream:
 
     @property
     def metrics(self) -> dict[str, Any]:
-        return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches,
+        return {**self.counts, **self.groups.counts, "in_flight": self.in_flight, "batches": self.batches.count,
                 "buffered_groups": self.buffered_groups, "max_buffered_groups": self.max_buffered_groups,
                 **self.updates.metrics(), "kv_on_update": self.config.kv_on_update,
                 "drain": self.config.drain,
@@ -371,17 +359,6 @@ class RolloutStream:
         """Nothing more will come: the feeder ran out (or the stream closes) and nothing is in flight."""
         return (self.admission.exhausted or self._closing) and self.in_flight == 0 and not self.admission.restarts
 
-    def _make_batch(self, groups: list[list[Trajectory]]) -> StreamBatch:
-        trajs = [t for g in groups for t in g]
-        rows = training_rows(trajs)
-        batch = collate(rows, pad_token_id=self.rt.pad_token_id, pad_to=self.pad_to)
-        hist = {int(k): v for k, v in token_staleness(self.versions, trajs)["token_staleness"].items()}
-        self.batches += 1
-        return StreamBatch(index=self.batches, weight_version=self.weight_version, groups=groups, trajectories=rows,
-                           batch=batch, staleness=hist,
-                           metrics={"groups": len(groups), "trained_tokens": sum(hist.values()),
-                                    "in_flight": self.in_flight, "buffered_groups": self.buffered_groups})
-
 
 @contextlib.asynccontextmanager
 async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any], config: StreamConfig, *,
@@ -418,43 +395,3 @@ async def rollout_stream(runtime: Any, feeder: Iterable[Any] | AsyncIterable[Any
             with anyio.CancelScope(shield=True):
                 await runtime.lifecycle.sleep()
 
-
-class SyncRolloutStream:
-    """`rollout_stream` from synchronous code, through the runtime's blocking portal (same coroutines):
-
-        with SyncRolloutStream(runtime, feeder, StreamConfig(batch_groups=8, active=64)) as s:
-            for batch in s:
-                s.update_weights(train_on(batch))
-    """
-
-    def __init__(self, runtime: Any, feeder: Iterable[Any], config: StreamConfig, **kwargs: Any) -> None:
-        self._portal = runtime._blocking_portal()
-        self._cm = self._portal.wrap_async_context_manager(rollout_stream(runtime, feeder, config, **kwargs))
-        self.stream: RolloutStream = self._cm.__enter__()
-
-    def __iter__(self) -> "SyncRolloutStream":
-        return self
-
-    def __next__(self) -> StreamBatch:
-        try:
-            return self._portal.call(self.stream.__anext__)
-        except StopAsyncIteration:
-            raise StopIteration from None
-
-    def update_weights(self, weights: Any, version: str | None = None) -> str | None:
-        return self._portal.call(self.stream.update_weights, weights, version)
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.stream.metrics
-
-    def close(self) -> None:
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            cm.__exit__(None, None, None)
-
-    def __enter__(self) -> "SyncRolloutStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

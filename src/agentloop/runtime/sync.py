@@ -10,7 +10,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import anyio.from_thread
 
-from .stream import StreamConfig, SyncRolloutStream
+from .stream import StreamConfig
+from .stream_sync import SyncRolloutStream
 from .types import StepResult
 from ..types import Sample
 
