@@ -149,10 +149,10 @@ def _resolve_per_server(config: RuntimeConfig, infos: Sequence[Mapping[str, Any]
                         per_server: dict[str, dict[str, Any]]) -> tuple[RuntimeConfig, dict[str, Any]]:
     """`scheduler.per_server_concurrency` made an integer (or None) when it is `auto`, and why."""
     setting = config.scheduler.per_server_concurrency
-    graphs = [decode_graph_batch(i) if i is not None else None for i in infos]
     if setting != "auto":
         rule = "set in the configuration" if setting is not None else "not set: no per-server limit"
         return config, {"per_server_setting": setting, "per_server_used": setting, "per_server_rule": rule}
+    graphs = [decode_graph_batch(i) if i is not None else None for i in infos]
     known = [n for n in graphs if n is not None]
     used = min(known) if known else None
     if used is None:
