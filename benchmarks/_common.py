@@ -297,6 +297,24 @@ def _config_summary(model_dir: Path) -> dict[str, Any]:
     return {k: cfg.get(k) for k in keys if k in cfg}
 
 
+def slot_limit(text: str) -> int | str:
+    """`--slot-limit`'s type: a positive integer, or "auto" (the servers' decode CUDA graph batch, read from
+    /server_info at Runtime start: `scheduler.per_server_concurrency: auto`)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer or 'auto'")
+    return n
+
+
+SLOT_LIMIT_HELP = ("generate requests in flight per server (the runtime's per_server_concurrency): an integer, or "
+                   "'auto' for the servers' decode CUDA graph batch from /server_info; default: no limit")
+
+
 def runtime_config(engine: Engine, args: argparse.Namespace, *, concurrency: int, **scheduler: Any) -> dict[str, Any]:
     """A `RuntimeConfig` dict attaching to `engine` with the replay loop's needs (ignore_eos, budgets)."""
     max_turn_tokens = args.gen_max

@@ -55,6 +55,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    SLOT_LIMIT_HELP,
     BusySampler,
     WorkloadSpec,
     add_turn_args,
@@ -67,6 +68,7 @@ from _common import (  # noqa: E402
     run_benchmark,
     runtime_config,
     save_figure,
+    slot_limit,
     title_suffix,
     trainer_weights,
     warm_up_spec,
@@ -387,6 +389,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
         cfg = runtime_config(engine, args, concurrency=max(args.active), n=n, gc_freeze=args.gc_freeze,
                              per_server_concurrency=args.slot_limit, slot_order=args.slot_order)
         async with Runtime(cfg) as rt, left_awake(rt, weights):
+            out["concurrency"] = rt.concurrency.as_dict() if rt.concurrency else None
             await rt.step([Sample(uid=f"warm{i}", messages=[], agent="replay",
                                   extra={"replay": {"prompt_tokens": 8, "turns": t}})
                            for i, t in enumerate(make_workload(warm_up_spec()))], weights(), n=1)
@@ -489,9 +492,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="every mode runs with the client heap frozen while it generates (scheduler.gc_freeze: per "
                    "step, over the stream's life, over the bare client's run), so full collections walk what the run "
                    "allocated, not the trainer-side heap (torch, the weights' model) built before it")
-    w.add_argument("--slot-limit", type=int, default=None,
-                   help="agentloop's modes: generate requests in flight per server (per_server_concurrency; e.g. the "
-                        "server's decode CUDA graph batch); the bare client is not limited. Default: no limit")
+    w.add_argument("--slot-limit", type=slot_limit, default=None,
+                   help="agentloop's modes: " + SLOT_LIMIT_HELP + " (the bare client is not limited)")
     w.add_argument("--slot-order", choices=SLOT_ORDERS, default="fifo",
                    help="with --slot-limit: who gets a freed slot (scheduler.slot_order)")
     args = p.parse_args(argv)

@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    SLOT_LIMIT_HELP,
     WorkloadSpec,
     add_turn_args,
     benchmark_parser,
@@ -50,6 +51,7 @@ from _common import (  # noqa: E402
     run_benchmark,
     runtime_config,
     save_figure,
+    slot_limit,
     title_suffix,
     trainer_weights,
     warm_up_spec,
@@ -145,6 +147,7 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
         weights_sd = trainer_weights(engine)
         cfg = runtime_config(engine, args, concurrency=total, n=1, per_server_concurrency=args.slot_limit)
         async with Runtime(cfg) as rt, left_awake(rt, lambda: Weights(state_dict=weights_sd, version="final")):
+            out["concurrency"] = rt.concurrency.as_dict() if rt.concurrency else None
             await rt.step([m for g in group_stream(warm_up_spec(), 2, "warm") for m in g],
                           Weights(state_dict=weights_sd, version="v0"))
             modes: dict[str, list[dict[str, Any]]] = {}
@@ -241,9 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ways", nargs="+", choices=WAYS, default=["wait_all", "oversample"],
                    help="ways to compare, side by side (wait_all first: the others' ratios are to it)")
-    w.add_argument("--slot-limit", type=int, default=None,
-                   help="generate requests in flight per server (the runtime's per_server_concurrency; "
-                        "oversample_oldest_first's slots); default: no limit")
+    w.add_argument("--slot-limit", type=slot_limit, default=None, help=SLOT_LIMIT_HELP)
     args = p.parse_args(argv)
     if args.ways[0] != "wait_all" or len(set(args.ways)) != len(args.ways):
         p.error("--ways: wait_all first, each way once")

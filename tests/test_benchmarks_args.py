@@ -40,6 +40,16 @@ def test_long_tail_ways_and_slot_limit() -> None:
             lt.parse_args(["--ways", *bad])
 
 
+@pytest.mark.parametrize("name", ["long_tail", "continuous"])
+def test_slot_limit_takes_auto_or_a_positive_integer(name: str) -> None:
+    mod = bench_module(name)
+    assert mod.parse_args(["--slot-limit", "auto"]).slot_limit == "auto"
+    assert mod.parse_args(["--slot-limit", "64"]).slot_limit == 64
+    for bad in ("0", "-3", "Auto", "2.5", ""):
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--slot-limit", bad])
+
+
 @pytest.mark.parametrize("name", ["long_tail", "lifecycle", "rollout_throughput"])
 def test_help_shows_the_whole_first_paragraph(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     mod = bench_module(name)

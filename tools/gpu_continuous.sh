@@ -23,7 +23,7 @@
 # CONT_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang at --smoke
 # sizes: proves the script end to end; not GPU results.
 #
-# OUTDIR receives: gpu_continuous.log (environment, budget, both benchmarks' output),
+# OUTDIR receives: gpu_continuous.log (environment, budget, both benchmarks' output), server_info.json,
 # long_tail_sglang.{json,png}, continuous_sglang.{json,png}, sglang_server_log.txt (without per-batch
 # lines) and, when no .gpu-out/jitcache.tgz was restored, jitcache.tgz.
 set -u
@@ -97,6 +97,15 @@ print(shlex.join(SGLangLaunchConfig(model_path=str(folder), load_format='dummy',
     say "server not ready"; grep -v "Decode batch\|Prefill batch" "$SERVER_LOG" | tail -40 | tee -a "$LOG"; return 1
   fi
   say "server ready at $URL"
+  # what `per_server_concurrency: auto` reads: the decode CUDA graph batch this server resolved
+  python3 - "$URL" "$OUTDIR/server_info.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(sys.argv[1] + "/server_info", timeout=30))
+json.dump(info, open(sys.argv[2], "w"), indent=1, default=str)
+keys = ("cuda_graph_config", "cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph_bs", "disable_cuda_graph",
+        "max_running_requests", "max_total_num_tokens")
+print("server_info:", json.dumps({k: info.get(k) for k in keys if k in info}, default=str)[:2000])
+PY
 }
 stop_server() { serve_stop; }
 trap stop_server EXIT
