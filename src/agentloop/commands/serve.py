@@ -40,6 +40,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
                    help="padded tokens of one batched prefill forward (a longer single prompt still runs alone)")
     p.add_argument("--weight-version", default="default")
+    # SGLang's priority scheduling flags, with its defaults (agentloop/engine/local/priority.py)
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="admit queued requests by their `priority` (higher first) and let a full batch preempt "
+                   "lower-priority running ones")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: lower priority values go first")
+    p.add_argument("--disable-priority-preemption", action="store_true", help="priority orders the queue only")
+    p.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10,
+                   help="how much a waiting request's priority must beat a running one's to preempt it")
+    p.add_argument("--abort-on-priority-when-disabled", action="store_true",
+                   help="without --enable-priority-scheduling, refuse requests that carry a priority")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
     # One thread by default: measured fastest for the small models this engine serves, by far on a
     # machine shared with the trainer or other jobs (benchmarks/results/serve_threads.json).

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..agents.base import AgentConfig, SamplingConfig
 from ..engine.base import MEMORY_TAGS, engine_url
-from ..engine.route_session import SlotOrder
+from ..engine.route_session import ServerPriority, SlotOrder
 
 __all__ = ["AgentConfig", "EngineConfig", "LaunchConfig", "RayConfig", "RuntimeConfig", "SamplingConfig", "SchedulerConfig"]
 
@@ -53,6 +53,9 @@ class LocalServerConfig(_Strict):
         False, description="Report log_softmax(logits) instead of SGLang's default temperature-scaled logprobs.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = Field(
         None, description="Log level of each engine process (serve's default info).")
+    enable_priority_scheduling: bool = Field(
+        False, description="Admit queued requests by their priority and preempt lower-priority running ones when "
+        "the batch is full, as SGLang's --enable-priority-scheduling (with scheduler.server_priority).")
 
     def serve_args(self) -> list[str]:
         """These settings as `agentloop serve` flags (only the ones set)."""
@@ -209,6 +212,17 @@ class SchedulerConfig(_Strict):
         "at 256 slots: depth_first 0.94x fifo's throughput. oldest_first = the trajectory that started first in the step "
         "(its samples' order: carried groups first), so with over-sampling the surplus only fills slots the older "
         "groups leave free.",
+    )
+    server_priority: ServerPriority = Field(
+        "none",
+        description="oldest_first: every generate request carries SGLang's `priority` (older trajectories higher), "
+        "for servers launched with --enable-priority-scheduling (default direction, higher first) and a "
+        "--max-running-requests below the trajectories in flight: the server then admits the oldest trajectories' "
+        "turns first and preempts younger running requests for them (over-sampling's surplus only fills what the "
+        "target groups leave idle). Checked against each server's /server_info when the runtime starts: a server "
+        "that schedules low values first is refused; one without priority scheduling is warned about (it ignores "
+        "the priorities, or refuses them with --abort-on-priority-when-disabled, which is an error). In Ray mode "
+        "each worker numbers its own trajectories.",
     )
     n: int = Field(1, ge=1, description="Trajectories per prompt (a GRPO group shares the prompt's `group_id`).")
     trajectory_timeout: float | None = Field(

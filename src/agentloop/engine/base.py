@@ -182,6 +182,7 @@ class EngineClient(Protocol):
         timeout: float | None = None,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        priority: int | None = None,
     ) -> GenerateOutput: ...
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None: ...

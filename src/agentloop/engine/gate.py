@@ -231,10 +231,12 @@ class Gate:
         rid: str | None = None,
         timeout: float | None = None,
         gate_timeout: float | None = None,
+        priority: int | None = None,
     ) -> GenerateOutput:
         """The one road to an engine's generate: waits for AWAKE, counts the request in flight.
 
-        A request whose server is taken out meanwhile raises `EngineUnavailable` (retry elsewhere)."""
+        A request whose server is taken out meanwhile raises `EngineUnavailable` (retry elsewhere).
+        `priority` goes to the client only when given, so clients without the keyword keep working."""
         m = self._members.get(url)
         if m is None:
             raise EngineUnavailable("/generate", None, self._gone(url), url=url)
@@ -253,7 +255,8 @@ class Gate:
         lost: str | None = None
         try:
             with scope:
-                out = await m.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout)
+                extra = {} if priority is None else {"priority": priority}
+                out = await m.client.generate(input_ids, sampling_params, rid=rid, timeout=timeout, **extra)
                 m.progress = self.clock()
                 if self._members.get(url) is not m:
                     # taken out while this answer was on its way (a cancel lands at the next await, not

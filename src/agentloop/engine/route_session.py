@@ -5,6 +5,10 @@ trajectory sticky to one server, retries a failed turn elsewhere, waits for the 
 slot (recorded as "wait" spans; requests as "generate" spans), gives every request a unique rid
 (`in_flight_rid`, aborted on its server by a stop), and after `stop(reason)` answers every call with an
 aborted `GenerateOutput` without dispatching. It uses only the router's public methods.
+
+With `server_priority="oldest_first"` every request carries SGLang's `priority`: minus the session's age,
+so under a server's default direction (--enable-priority-scheduling: higher values first) the
+trajectory that started first is admitted first, and may preempt younger running requests.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from .slots import PrioritySlots
 
 log = logging.getLogger("agentloop.engine.router")
 
-__all__ = ["RouteSession", "SessionRouter", "SlotOrder"]
+__all__ = ["RouteSession", "ServerPriority", "SessionRouter", "SlotOrder"]
 
 SlotOrder = Literal["depth_first", "fifo", "oldest_first"]
 SLOT_ORDERS: tuple[str, ...] = get_args(SlotOrder)
+
+
+#: What each generate request tells the server of its place (SGLang's request `priority`).
+ServerPriority = Literal["none", "oldest_first"]
 
 
 def check_slot_order(order: object) -> None:
@@ -59,11 +67,14 @@ class SessionRouter(Protocol):
 class RouteSession:
     """The `GenerateFn` of one trajectory: sticky to one server, retried elsewhere if it dies."""
 
-    def __init__(self, router: SessionRouter, key: str, *, age: int = 0, slot_order: SlotOrder = "fifo") -> None:
+    def __init__(self, router: SessionRouter, key: str, *, age: int = 0, slot_order: SlotOrder = "fifo",
+                 server_priority: ServerPriority = "none") -> None:
         self.router = router
         self.key = key
         self.age = age  #: the tie-break of the slot order (older sessions first)
         self.slot_order = slot_order
+        #: SGLang's `priority` of every request (None: not sent): older sessions get higher values.
+        self.priority: int | None = -age if server_priority == "oldest_first" else None
         self.url: str | None = None
         self.in_flight_rid: str | None = None
         self.in_flight_url: str | None = None  #: the server `in_flight_rid` was sent to
@@ -193,7 +204,8 @@ class RouteSession:
             self.rids.append(rid)
             router.stats.requests += 1
             try:
-                return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout)
+                return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout,
+                                                  priority=self.priority)
             finally:
                 self.in_flight_rid = self.in_flight_url = None
                 if self._idle is not None:

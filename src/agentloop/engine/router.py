@@ -26,6 +26,12 @@ This module owns *which server* serves a model turn. `Router.session(key)` retur
   `"oldest_first"`: the trajectory whose session started first (in a step, the order of its samples:
   the carried groups first, then the fresh ones), so over-sampling's surplus takes only the slots the
   older groups leave free and does not slow the groups that will end the step.
+- **Server priority**: `server_priority="oldest_first"` sends every request SGLang's `priority` (minus
+  its session's age: older first under the server's default direction), so a server launched with
+  `--enable-priority-scheduling` (and a `--max-running-requests` below the trajectories in flight) admits
+  the oldest trajectories' turns first and preempts younger running requests for them: `oldest_first`
+  done inside the server, where a freed batch slot is known at once and a long young turn can be
+  interrupted, which a client-side slot cannot do.
 - **The gate**: generation goes only through `Gate.generate(url, ...)`; each request carries a
   unique rid, so `RouteSession.in_flight_rid` can be aborted on the servers directly.
 - **Stop**: `RouteSession.stop(reason)` makes every later call return an aborted `GenerateOutput`
@@ -46,7 +52,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, get_args
 
 import anyio
 
@@ -54,7 +60,7 @@ from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle
-from .route_session import RouteSession, SlotOrder, check_slot_order
+from .route_session import RouteSession, ServerPriority, SlotOrder, check_slot_order
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +91,16 @@ class Router:
         request_timeout: float | None = 600.0,
         health_timeout: float = 5.0,
         slot_order: SlotOrder = "fifo",
+        server_priority: ServerPriority = "none",
         clock: Callable[[], float] = time.monotonic,
         sole_client: bool = False,
     ) -> None:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
         check_slot_order(slot_order)
+        if server_priority not in get_args(ServerPriority):
+            raise ValueError(f"server_priority must be one of {', '.join(get_args(ServerPriority))}, got {server_priority!r}")
+        self.server_priority: ServerPriority = server_priority
         self.gate: Gate = gate.gate if isinstance(gate, Lifecycle) else gate
         self.per_server_limit = per_server_limit
         self.max_retries = max_retries
@@ -119,7 +129,7 @@ class Router:
         the session, so runs with different orders never change a setting shared by the router."""
         order = self.slot_order if slot_order is None else slot_order
         check_slot_order(order)
-        return RouteSession(self, key, age=next(self._sessions), slot_order=order)
+        return RouteSession(self, key, age=next(self._sessions), slot_order=order, server_priority=self.server_priority)
 
     @property
     def urls(self) -> list[str]:

@@ -71,6 +71,7 @@ def make_router(gate: Gate, config: RuntimeConfig, *, router_cls: type[Router] =
         gate,
         per_server_limit=limit,
         slot_order=scfg.slot_order,
+        server_priority=scfg.server_priority,
         max_retries=scfg.max_turn_retries,
         failure_threshold=scfg.server_failure_threshold,
         request_timeout=config.engine.request_timeout,

@@ -27,6 +27,13 @@ with hundreds of trajectories in flight a limit there measured faster on an H100
 `cuda_graph_config.decode.max_bs` (unless its backend is "disabled"), else `cuda_graph_max_bs_decode`,
 else the older `cuda_graph_max_bs`; `disable_cuda_graph` means none. The router has one limit for every
 server: the smallest reported; if no server reports one, no limit (and the rule says why).
+
+`scheduler.server_priority: oldest_first` sends SGLang's request `priority` (higher = older). It is
+checked against each server's args in `/server_info` (`check_server_priority`): a server that schedules
+low values first (`schedule_low_priority_values_first`) would serve the youngest first, and one that
+refuses priorities without priority scheduling (`abort_on_priority_when_disabled`) would abort every
+request, so both are errors that name the server and the flag; a server that does not schedule by
+priority only ignores them (a warning; the rule says so); one that reports none of these is trusted.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from ..engine.base import EngineClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPU_ENGINE_CONCURRENCY", "ConcurrencyInfo", "decode_graph_batch", "resolve_concurrency", "server_capacity"]
+__all__ = ["CPU_ENGINE_CONCURRENCY", "ConcurrencyInfo", "check_server_priority", "decode_graph_batch", "resolve_concurrency",
+           "server_capacity"]
 
 
 @dataclass
@@ -59,6 +67,9 @@ class ConcurrencyInfo:
     per_server_setting: int | str | None = None
     per_server_used: int | None = None
     per_server_rule: str = "not set: no per-server limit"
+    #: `scheduler.server_priority` and what the servers do with it.
+    server_priority: str = "none"
+    server_priority_rule: str = "none: no request priority sent"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +139,7 @@ async def resolve_concurrency(config: RuntimeConfig, clients: Sequence[EngineCli
         }
     capacity = sum(c for c in caps if c is not None) if caps and all(c is not None for c in caps) else None
     config, per_server_limit = _resolve_per_server(config, infos, per_server)
+    per_server_limit.update(check_server_priority(config.scheduler.server_priority, infos, list(per_server)))
     if isinstance(setting, int):
         return config, ConcurrencyInfo(setting, setting, "set in the configuration", capacity, per_server, **per_server_limit)
     if infos and all(i is not None and is_cpu_engine(i) for i in infos):
@@ -143,6 +155,37 @@ async def resolve_concurrency(config: RuntimeConfig, clients: Sequence[EngineCli
     scheduler = config.scheduler.model_copy(update={"concurrency": used})
     return (config.model_copy(update={"scheduler": scheduler}),
             ConcurrencyInfo(setting, used, rule, capacity, per_server, **per_server_limit))
+
+
+def check_server_priority(setting: str, infos: Sequence[Mapping[str, Any] | None],
+                          urls: Sequence[str]) -> dict[str, str]:
+    """`scheduler.server_priority` against the servers' args: the ConcurrencyInfo fields, or ValueError
+    for a server that would invert the order or abort the requests."""
+    if setting == "none":
+        return {"server_priority": setting, "server_priority_rule": "none: no request priority sent"}
+    ignoring: list[str] = []
+    for url, info in zip(urls, infos):
+        if info is None:
+            continue
+        if info.get("enable_priority_scheduling") is True:
+            if info.get("schedule_low_priority_values_first") is True:
+                raise ValueError(
+                    f"scheduler.server_priority {setting}: {url} runs with --schedule-low-priority-values-first, so "
+                    "it would serve the youngest trajectories first; launch it without that flag (agentloop sends "
+                    "higher priorities for older trajectories) or set server_priority: none")
+        elif info.get("enable_priority_scheduling") is False:
+            if info.get("abort_on_priority_when_disabled") is True:
+                raise ValueError(
+                    f"scheduler.server_priority {setting}: {url} runs without --enable-priority-scheduling and with "
+                    "--abort-on-priority-when-disabled, so it would abort every request; launch it with "
+                    "--enable-priority-scheduling or set server_priority: none")
+            ignoring.append(url)
+    rule = f"{setting}: SGLang request priority = minus the trajectory's age (older first)"
+    if ignoring:
+        rule += f"; {', '.join(ignoring)} run without --enable-priority-scheduling and ignore it"
+        log.warning("server_priority %s: %s run without --enable-priority-scheduling: the priorities are ignored there",
+                    setting, ", ".join(ignoring))
+    return {"server_priority": setting, "server_priority_rule": rule}
 
 
 def _resolve_per_server(config: RuntimeConfig, infos: Sequence[Mapping[str, Any] | None],

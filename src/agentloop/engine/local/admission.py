@@ -37,6 +37,7 @@ def build_request(
     return_logprob: bool | None = False,
     logprob_start_len: int | None = -1,
     top_logprobs_num: int | None = 0,
+    priority: Any = None,
     where: str = "input_ids",
 ) -> Request:
     """One generate request's fields checked (SGLang's rules and messages) and made a `Request`; an
@@ -74,6 +75,8 @@ def build_request(
         top_logprobs_num = 0
     if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
         raise EngineInputError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise EngineInputError(f"priority must be an integer or null, got {priority!r}")
     seed = sampling.sampling_seed
     if seed is None:
         seed = default_seed()
@@ -87,6 +90,7 @@ def build_request(
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
         max_new_tokens=max_new_tokens,
+        priority=priority,
     )
 
 

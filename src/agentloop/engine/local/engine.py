@@ -24,6 +24,7 @@ from . import weights as weight_io
 from .admission import EngineInputError, build_request
 from .memory import SGLANG_WOULD_CRASH, MemoryManager, MemoryTagError, normalize_tags
 from .model_runner import ModelRunner
+from .priority import PriorityPolicy
 from .request import Notifier, Request
 from .scheduler import PAUSE_MODES, Scheduler
 from .update_lock import ModelUpdateLock
@@ -48,6 +49,7 @@ class LocalEngine:
         original_logprob: bool = False,
         num_threads: int | None = None,
         max_prefill_tokens: int = 8192,
+        priority: PriorityPolicy | None = None,
     ) -> None:
         self.model_path = str(Path(model_dir))
         self.runner = ModelRunner(model_dir, num_threads=num_threads)
@@ -59,6 +61,7 @@ class LocalEngine:
             context_length=context_length,
             original_logprob=original_logprob,
             max_prefill_tokens=max_prefill_tokens,
+            priority=priority,
         )
         self.scheduler.weight_version = weight_version
         self.seed = seed
@@ -93,7 +96,7 @@ class LocalEngine:
     def new_request(self, input_ids: Any, sampling_params: Any, **fields: Any) -> Request:
         """Validate one request against this engine (vocabulary, context length) and make it a `Request`;
         `fields` are `admission.build_request`'s (rid, return_logprob, logprob_start_len,
-        top_logprobs_num, where). Raises EngineInputError naming the bad field."""
+        top_logprobs_num, priority, where). Raises EngineInputError naming the bad field."""
         return build_request(input_ids, sampling_params, vocab_size=self.vocab_size,
                              context_length=self.context_length, default_seed=self._next_seed, **fields)
 

@@ -121,6 +121,7 @@ def build_requests(engine: LocalEngine, body: dict[str, Any],
                 return_logprob=per_item["return_logprob"][i],
                 logprob_start_len=per_item["logprob_start_len"][i],
                 top_logprobs_num=per_item["top_logprobs_num"][i],
+                priority=body.get("priority"),  # SGLang: one priority for every item of a batch
                 where=f"input_ids[{i}]" if batch else "input_ids",
             ))
             reqs[-1].parent_rid = parent

@@ -48,6 +48,10 @@ class Request:
     error: tuple[int, str] | None = None
     weight_version: str = "default"
     created: float = field(default_factory=time.monotonic)
+    #: When it last joined the waiting queue (a preempted request rejoins): the tie-break of preemption.
+    queued: float = field(default_factory=time.monotonic)
+    #: SGLang's request `priority` (used under --enable-priority-scheduling; see `priority.py`).
+    priority: int | None = None
     finished_at: float | None = None
     num_retractions: int = 0
     #: A response for it went out (SGLang stamps `response_sent_to_client_ts` on the first one only).

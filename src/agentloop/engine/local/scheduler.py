@@ -23,6 +23,9 @@ drops running requests' KV and puts them back at the head of the queue (re-prefi
 tokens so far on continue); `in_place` just stops stepping. Requests arriving while paused are
 held outside the scheduler (like SGLang's tokenizer manager does), so the scheduler can be idle for
 flush/release while they wait for `continue_generation`.
+
+With `--enable-priority-scheduling` the queue is admitted by priority and a full batch preempts
+lower-priority running requests, as SGLang's scheduler does (`priority.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, Callable, TypeVar
 from .kv_cache import BatchKV
 from .memory import MemoryManager
 from .model_runner import ModelRunner
+from .priority import PriorityPolicy
 from .request import Request
 from .sampling import sample_next
 
@@ -62,6 +66,8 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int = 0
+    #: Running requests put back in the queue for better-priority ones (priority scheduling).
+    preempted_requests: int = 0
     #: Wall seconds the worker spent in prefill/decode steps (benchmarks: tokens per busy second).
     busy_seconds: float = 0.0
 
@@ -84,8 +90,10 @@ class Scheduler:
         context_length: int | None = None,
         original_logprob: bool = False,
         max_prefill_tokens: int = 8192,
+        priority: PriorityPolicy | None = None,
     ) -> None:
         self.runner = runner
+        self.priority = priority or PriorityPolicy()
         self.max_prefill_tokens = max_prefill_tokens
         self.memory = memory
         self.max_running_requests = max_running_requests
@@ -133,10 +141,14 @@ class Scheduler:
         if block is not None:
             req.fail(503, block)
             return
+        if req.priority is not None and not self.priority.enabled and self.priority.abort_when_disabled:
+            req.fail(503, "Using priority is disabled for this server. Please send a new request without a priority.")
+            return
         req.weight_version = self.weight_version
         if self.paused:
             self.held.append(req)
         else:
+            req.queued = time.monotonic()
             self.waiting.append(req)
 
     def find(self, rid: str) -> Request | None:
@@ -238,6 +250,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill waiting requests (together, within the token budget) and add them to the batch."""
+        if self.priority.enabled and self.waiting:
+            self.waiting = deque(self.priority.order(self.waiting))
+            self._preempt_for_waiting()
         group: list[Request] = []
         longest = 0
         while self.waiting and len(self.running) + len(group) < self.max_running_requests:
@@ -260,6 +275,34 @@ class Scheduler:
             for r in group:
                 if not any(r is x for x in self.running):
                     r.fail(500, f"prefill failed: {type(e).__name__}: {e}")
+
+    def _preempt_for_waiting(self) -> None:
+        """A full batch makes room for better-priority waiting requests: the preempted ones rejoin the
+        queue with their tokens (re-prefilled when admitted again, like a retraction)."""
+        free = self.max_running_requests - len(self.running)
+        preempted: list[Request] = []
+        for cand in self.waiting:
+            if cand.finished:
+                continue
+            if free > 0:
+                free -= 1
+                continue
+            out = self.priority.victims(cand, [r for r in self.running if not any(r is p for p in preempted)], 1)
+            if not out:
+                break
+            preempted += out
+        if not preempted:
+            return
+        gone = {id(r) for r in preempted}
+        keep = [i for i, r in enumerate(self.running) if id(r) not in gone]
+        self.running = [self.running[i] for i in keep]
+        self.kv.keep(keep)
+        now = time.monotonic()
+        for r in preempted:
+            r.num_retractions += 1
+            r.queued = now
+        self.stats.preempted_requests += len(preempted)
+        self.waiting = deque(self.priority.order([*self.waiting, *preempted]))
 
     def _prefill(self, group: list[Request]) -> None:
         """One padded forward over the group's known tokens; sample each one's next token."""

@@ -26,6 +26,7 @@ from aiohttp import web
 from .admission import EngineInputError
 from .engine import LocalEngine
 from .generate_api import generate, health_generate
+from .priority import PriorityPolicy
 from .http_common import (
     ARGS_KEY, ENGINE_KEY, HELD_KEY, LIMITS_KEY, HeldBytes, RequestLimits, error_response, http_exception, json_body,
     release_held, response_for, unhealthy_response,
@@ -351,6 +352,11 @@ def run(args: argparse.Namespace) -> int:
                 if e.errno == errno.EADDRINUSE else "")
         print(f"agentloop serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}", file=sys.stderr)
         return 1
+    priority = PriorityPolicy(enabled=args.enable_priority_scheduling,
+                              low_values_first=args.schedule_low_priority_values_first,
+                              preemption=not args.disable_priority_preemption,
+                              preemption_threshold=args.priority_scheduling_preemption_threshold,
+                              abort_when_disabled=args.abort_on_priority_when_disabled)
     engine = LocalEngine(
         model,
         max_running_requests=args.max_running_requests,
@@ -360,9 +366,16 @@ def run(args: argparse.Namespace) -> int:
         original_logprob=args.return_original_logprob,
         num_threads=args.num_threads,
         max_prefill_tokens=args.max_prefill_tokens,
+        priority=priority,
     )
     engine.start()
-    server_args = {"host": args.host, "port": args.port, "random_seed": args.seed}
+    # the priority flags under SGLang's server-arg names: /server_info reports them as SGLang does
+    server_args = {"host": args.host, "port": args.port, "random_seed": args.seed,
+                   "enable_priority_scheduling": priority.enabled,
+                   "schedule_low_priority_values_first": priority.low_values_first,
+                   "disable_priority_preemption": not priority.preemption,
+                   "priority_scheduling_preemption_threshold": priority.preemption_threshold,
+                   "abort_on_priority_when_disabled": priority.abort_when_disabled}
     port = sock.getsockname()[1]
     server_args["port"] = port
     log.info("agentloop CPU engine: model %s, serving on http://%s:%d", model, args.host, port)

@@ -127,10 +127,12 @@ class SGLangClient(HttpTransport):
         timeout: float | None = None,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        priority: int | None = None,
     ) -> GenerateOutput:
         """One generate. `sampling_params` may be a plain SGLang dict (`seed` is read as
         `sampling_seed`); `logprob_start_len` / `top_logprobs_num` are sent only when given (the
-        prompt's logprobs and the top-k lists then sit in `GenerateOutput.raw_meta`)."""
+        prompt's logprobs and the top-k lists then sit in `GenerateOutput.raw_meta`); so is `priority`
+        (SGLang's request priority, used by a server launched with --enable-priority-scheduling)."""
         if not isinstance(sampling_params, SamplingParams):
             if not isinstance(sampling_params, Mapping):
                 raise TypeError(f"sampling_params must be SamplingParams or a mapping, got {type(sampling_params).__name__}")
@@ -155,6 +157,8 @@ class SGLangClient(HttpTransport):
             body["logprob_start_len"] = int(logprob_start_len)
         if top_logprobs_num is not None:
             body["top_logprobs_num"] = int(top_logprobs_num)
+        if priority is not None:
+            body["priority"] = int(priority)
         payload = wire_json.generate_body(ids_json if ids_json is not None else ids, body)
         self._sending_generation("/generate")
         out = await self._json("POST", "/generate", payload,
