@@ -202,6 +202,9 @@ def benchmark_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="dummy", help="sglang launch: --load-format")
     g.add_argument("--mem-fraction", type=float, default=0.5, help="sglang launch: --mem-fraction-static")
     g.add_argument("--cuda-graph", action="store_true", help="sglang launch: decode CUDA graphs on")
+    g.add_argument("--server-args", type=shlex.split, default=[], metavar="'FLAGS'",
+                   help="flags added to the command of a server this benchmark starts (CPU engine or sglang), e.g. "
+                   "'--enable-priority-scheduling --max-running-requests 16'")
     return p
 
 
@@ -249,7 +252,9 @@ async def open_engine(args: argparse.Namespace, *, max_running: int = 256) -> As
             desc = {"attached": args.engine_url, "model_path": path,
                     "server": {k: server.get(k) for k in ("engine", "version", "vocab_size", "max_running_requests",
                                                           "mem_fraction_static", "load_format", "cuda_graph_max_bs",
-                                                          "disable_cuda_graph", "attention_backend") if k in server}}
+                                                          "disable_cuda_graph", "attention_backend", "enable_priority_scheduling",
+                                                          "schedule_low_priority_values_first",
+                                                          "priority_scheduling_preemption_threshold") if k in server}}
             if model_dir is not None:
                 desc["config"] = _config_summary(model_dir)
             yield Engine(args.engine, args.engine_url.rstrip("/"), model_dir, tok, description=desc)
@@ -260,7 +265,7 @@ async def open_engine(args: argparse.Namespace, *, max_running: int = 256) -> As
             model_dir = make_random_model(tmpdir / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
             proc = LocalEngineProcess(model_dir, extra_args=["--num-threads", str(args.engine_threads),
                                                              "--max-running-requests", str(max_running),
-                                                             "--log-level", "warning"])
+                                                             "--log-level", "warning", *args.server_args])
             url = await proc.start(timeout=180)
             try:
                 pid = proc.pid  # to sample the server's CPU time
@@ -275,7 +280,8 @@ async def open_engine(args: argparse.Namespace, *, max_running: int = 256) -> As
         if args.model is None:
             raise SystemExit("--engine sglang without --engine-url needs --model DIR (a folder with config.json)")
         cfg = SGLangLaunchConfig(model_path=str(args.model), load_format=args.load_format,
-                                 mem_fraction_static=args.mem_fraction, cuda_graph=args.cuda_graph)
+                                 mem_fraction_static=args.mem_fraction, cuda_graph=args.cuda_graph,
+                                 extra_args=tuple(args.server_args))
         server = SGLangServer(cfg, log_path=tmpdir / "sglang.log")
         url = await server.start(timeout=600)
         try:

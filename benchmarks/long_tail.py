@@ -18,6 +18,11 @@ weights → rollout → sleep):
   request slot goes to the trajectory that started first — the carried groups, then the fresh ones in
   order — so the surplus only takes slots the older groups leave free instead of slowing every group
   alike. `--slot-limit` applies to every way (wait_all's step at or below it is not limited by it).
+- **oversample_priority** (with `--ways`): the same over-sampling with `server_priority="oldest_first"`:
+  every request carries SGLang's `priority` (older trajectories higher), so a server launched with
+  `--enable-priority-scheduling --max-running-requests N` runs the oldest trajectories' turns first and
+  preempts younger running requests for them (the ordering done inside the server; on the CPU engine:
+  `agentloop serve --enable-priority-scheduling`). A server without priority scheduling ignores it.
 
 Both return exactly G complete groups per step (checked). Reported: per-step seconds (whole step and
 rollout phase), the reduction of the mean step time, tokens of the returned trajectories per second,
@@ -64,7 +69,7 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 
-WAYS = ("wait_all", "oversample", "oversample_oldest_first")
+WAYS = ("wait_all", "oversample", "oversample_oldest_first", "oversample_priority")
 
 
 def group_stream(spec: WorkloadSpec, n: int, tag: str, cap: float = math.inf) -> Iterator[list[Sample]]:
@@ -90,6 +95,8 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
     over: dict[str, Any] = {} if mode == "wait_all" else {"target_groups": args.target_groups, "partial_rollout": True}
     if mode == "oversample_oldest_first":
         over["slot_order"] = "oldest_first"
+    if mode == "oversample_priority":
+        over["server_priority"] = "oldest_first"
     carry: list[Sample] = []
     steps = []
     for k in range(args.steps):
@@ -197,7 +204,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     over = f"over-sample x{report['settings']['oversample']:g} + abort"
     labels = {"wait_all": "wait for every trajectory", "oversample": over,
-              "oversample_oldest_first": f"{over}, oldest first"}
+              "oversample_oldest_first": f"{over}, oldest first",
+              "oversample_priority": f"{over}, server priority"}
     ways = [m for m in labels if m in report["steps"]]
     width = 0.8 / len(ways)
     for j, mode in enumerate(ways):

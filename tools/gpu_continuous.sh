@@ -18,6 +18,8 @@
 # CONT_BUDGET (default 540 s) counts from this script's start: with ~30 s of install before it the call
 # stays under 9.5 minutes; with both parts: at 2 s tools per_step (~100 s) + the 3 others at 768 in
 # flight, then long_tail (~170 s); CONT_PARTS=continuous gives continuous the whole budget.
+# CONT_SERVER_ARGS adds flags to the server's command, e.g. "--enable-priority-scheduling --max-running-requests 256"
+# (with CONT_LT_ARGS="--ways wait_all oversample oversample_priority": SGLang's priority scheduling).
 # CONT_LT_ARGS / CONT_ARGS add arguments (explicit flags win over --gpu-scale's), e.g. a second call for what the first skipped:
 #   CONT_PARTS=continuous CONT_ARGS="--modes over_admission streaming bare_refill --active 1536 256"
 # CONT_DRYRUN=1: the CPU engine (agentloop serve, a small random Qwen2) stands in for SGLang at --smoke
@@ -80,7 +82,7 @@ start_server() {
   port=$(python3 -c "from agentloop.engine.launch import free_port; print(free_port())")
   if [ "$DRYRUN" = 1 ]; then
     python3 -c "from agentloop.models.random_model import make_random_model; make_random_model('$model', hidden_size=64, num_layers=2)" >/dev/null 2>&1
-    argv="python3 -m agentloop.cli serve --model $model --port $port --num-threads 1 --max-running-requests 256"
+    argv="python3 -m agentloop.cli serve --model $model --port $port --num-threads 1 --max-running-requests 256 ${CONT_SERVER_ARGS:-}"
     ready="serving on"
   else
     argv=$(python3 -c "
@@ -88,7 +90,8 @@ import shlex
 from agentloop.engine.launch import QWEN2_05B_CONFIG, SGLangLaunchConfig, write_dummy_model
 folder = write_dummy_model('$model', QWEN2_05B_CONFIG)
 print(shlex.join(SGLangLaunchConfig(model_path=str(folder), load_format='dummy', mem_fraction_static=0.5,
-                                    cuda_graph=True, cuda_graph_max_bs=$MAX_BS).argv($port)))") || return 1
+                                    cuda_graph=True, cuda_graph_max_bs=$MAX_BS,
+                                    extra_args=shlex.split('${CONT_SERVER_ARGS:-}')).argv($port)))") || return 1
     ready=$(python3 -c "from agentloop.engine.launch import READY_LINE; print(READY_LINE)")
   fi
   URL="http://127.0.0.1:$port"
@@ -103,7 +106,8 @@ import json, sys, urllib.request
 info = json.load(urllib.request.urlopen(sys.argv[1] + "/server_info", timeout=30))
 json.dump(info, open(sys.argv[2], "w"), indent=1, default=str)
 keys = ("cuda_graph_config", "cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph_bs", "disable_cuda_graph",
-        "max_running_requests", "max_total_num_tokens")
+        "max_running_requests", "max_total_num_tokens", "enable_priority_scheduling", "schedule_low_priority_values_first",
+        "priority_scheduling_preemption_threshold", "disable_priority_preemption")
 print("server_info:", json.dumps({k: info.get(k) for k in keys if k in info}, default=str)[:2000])
 PY
 }

@@ -42,6 +42,11 @@ def check_slot_order(order: object) -> None:
         raise ValueError(f"slot_order must be one of {', '.join(SLOT_ORDERS)}, got {order!r}")
 
 
+def check_server_priority(priority: object) -> None:
+    if priority not in get_args(ServerPriority):
+        raise ValueError(f"server_priority must be one of {', '.join(get_args(ServerPriority))}, got {priority!r}")
+
+
 class SessionRouter(Protocol):
     """What a session needs of its router (`engine.router.Router` is one; so is the Ray worker's
     `PinnedRouter`): its public surface, nothing private."""

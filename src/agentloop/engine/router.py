@@ -52,7 +52,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence, get_args
+from typing import Callable, Mapping, Sequence
 
 import anyio
 
@@ -60,7 +60,7 @@ from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle
-from .route_session import RouteSession, ServerPriority, SlotOrder, check_slot_order
+from .route_session import RouteSession, ServerPriority, SlotOrder, check_server_priority, check_slot_order
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class Router:
         if per_server_limit is not None and per_server_limit < 1:
             raise ValueError(f"per_server_limit must be >= 1 or None, got {per_server_limit}")
         check_slot_order(slot_order)
-        if server_priority not in get_args(ServerPriority):
-            raise ValueError(f"server_priority must be one of {', '.join(get_args(ServerPriority))}, got {server_priority!r}")
+        check_server_priority(server_priority)
         self.server_priority: ServerPriority = server_priority
         self.gate: Gate = gate.gate if isinstance(gate, Lifecycle) else gate
         self.per_server_limit = per_server_limit
@@ -123,13 +122,17 @@ class Router:
         self._kept_last: set[str] = set()  # servers whose "last one: kept" was logged
 
     # ------------------------------------------------------------------ public
-    def session(self, key: str, *, slot_order: SlotOrder | None = None) -> "RouteSession":
+    def session(self, key: str, *, slot_order: SlotOrder | None = None,
+                server_priority: ServerPriority | None = None) -> "RouteSession":
         """A sticky `GenerateFn` for one trajectory (`key` prefixes its request ids). `slot_order`: who
-        of its turns gets a freed per-server slot first (None: the router's `slot_order`); given with
-        the session, so runs with different orders never change a setting shared by the router."""
+        of its turns gets a freed per-server slot first; `server_priority`: the request priority its turns
+        carry (None: the router's settings); given with the session, so runs with different settings never
+        change one shared by the router."""
         order = self.slot_order if slot_order is None else slot_order
         check_slot_order(order)
-        return RouteSession(self, key, age=next(self._sessions), slot_order=order, server_priority=self.server_priority)
+        priority = self.server_priority if server_priority is None else server_priority
+        check_server_priority(priority)
+        return RouteSession(self, key, age=next(self._sessions), slot_order=order, server_priority=priority)
 
     @property
     def urls(self) -> list[str]:

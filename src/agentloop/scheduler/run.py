@@ -183,7 +183,7 @@ class ScheduleRun:
 
     async def _run_agent(self, i: int, job: Sample) -> Trajectory:
         cfg = self.cfg
-        session = self.router.session(job.uid, slot_order=cfg.slot_order)
+        session = self.router.session(job.uid, slot_order=cfg.slot_order, server_priority=cfg.server_priority)
         self.sessions[i] = session
         if self.stopping:
             session.stop(self.stop_reason)
