@@ -147,6 +147,10 @@ def test_server_priority_is_checked_against_each_servers_args() -> None:
     assert ok["server_priority"] == "oldest_first" and "ignore" not in ok["server_priority_rule"]
     warned = check_server_priority("oldest_first", [on, {"enable_priority_scheduling": False}], ["a", "b"])
     assert "b run without --enable-priority-scheduling and ignore it" in warned["server_priority_rule"]
+    preempting = check_server_priority("oldest_first", [{**on, "disable_priority_preemption": False}], ["a"])
+    assert "a preempt running requests" in preempting["server_priority_rule"]
+    cpu = {**on, "disable_priority_preemption": False, "engine": "agentloop-cpu"}  # its preemption keeps ids and logprobs aligned
+    assert "preempt" not in check_server_priority("oldest_first", [cpu], ["a"])["server_priority_rule"]
     with pytest.raises(ValueError, match=r"http://x:1 runs with --schedule-low-priority-values-first"):
         check_server_priority("oldest_first", [{**on, "schedule_low_priority_values_first": True}], ["http://x:1"])
 

@@ -34,6 +34,10 @@ low values first (`schedule_low_priority_values_first`) would serve the youngest
 refuses priorities without priority scheduling (`abort_on_priority_when_disabled`) would abort every
 request, so both are errors that name the server and the flag; a server that does not schedule by
 priority only ignores them (a warning; the rule says so); one that reports none of these is trusted.
+A SGLang server that preempts for priority (the default under --enable-priority-scheduling) is warned
+about: on sglang 0.5.17 preempted requests came back with an output id that had no logprob, which the
+client refuses (benchmarks/results/long_tail_sglang_h200_priority_preemption_failed.json), so such
+servers should run with --disable-priority-preemption (the queue is then ordered, nothing preempted).
 """
 
 from __future__ import annotations
@@ -164,10 +168,13 @@ def check_server_priority(setting: str, infos: Sequence[Mapping[str, Any] | None
     if setting == "none":
         return {"server_priority": setting, "server_priority_rule": "none: no request priority sent"}
     ignoring: list[str] = []
+    preempting: list[str] = []
     for url, info in zip(urls, infos):
         if info is None:
             continue
         if info.get("enable_priority_scheduling") is True:
+            if info.get("disable_priority_preemption") is False and not is_cpu_engine(info):
+                preempting.append(url)
             if info.get("schedule_low_priority_values_first") is True:
                 raise ValueError(
                     f"scheduler.server_priority {setting}: {url} runs with --schedule-low-priority-values-first, so "
@@ -185,6 +192,13 @@ def check_server_priority(setting: str, infos: Sequence[Mapping[str, Any] | None
         rule += f"; {', '.join(ignoring)} run without --enable-priority-scheduling and ignore it"
         log.warning("server_priority %s: %s run without --enable-priority-scheduling: the priorities are ignored there",
                     setting, ", ".join(ignoring))
+    if preempting:
+        rule += (f"; {', '.join(preempting)} preempt running requests, which on sglang 0.5.17 returned output ids "
+                 "without their logprobs (refused by the client, so those turns fail): --disable-priority-preemption")
+        log.warning("server_priority %s: %s run SGLang's priority preemption; on sglang 0.5.17 it returned answers whose "
+                    "output ids disagree with their logprobs (benchmarks/results/long_tail_sglang_h200_priority_preemption_"
+                    "failed.json), which the client refuses: launch them with --disable-priority-preemption",
+                    setting, ", ".join(preempting))
     return {"server_priority": setting, "server_priority_rule": rule}
 
 
