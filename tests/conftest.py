@@ -41,6 +41,7 @@ FILE_SECONDS: dict[str, float] = {
     "test_engine_tether.py": 27, "test_integrations_verl.py": 23, "test_example_grpo_stream.py": 21,
     "test_python_sandbox_kernel.py": 21, "test_example_grpo.py": 21, "test_serve_weight_bounds.py": 19,
     "test_clone_layout.py": 18, "test_openai_agent.py": 16, "test_runtime_api.py": 16,
+    "test_local_engine_priority.py": 39,
 }
 
 
