@@ -71,7 +71,9 @@ class VerlServerEngine:
         self.url = url
 
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams, *, rid: str | None = None,
-                       return_logprob: bool = True, timeout: float | None = None) -> GenerateOutput:
+                       return_logprob: bool = True, timeout: float | None = None,
+                       priority: int | None = None) -> GenerateOutput:
+        # verl's LLMServerClient.generate takes no request priority: scheduler.server_priority has no effect here
         params = {**sampling_params.to_json(), "logprobs": True}
         rid = rid or "agentloop"
         out = await self.llm_client.generate(rid, prompt_ids=list(input_ids), sampling_params=params)
