@@ -211,7 +211,15 @@ class SchedulerConfig(_Strict):
         "depth_first = the trajectory with the most model turns behind it (then the oldest). Measured on an H200 "
         "at 256 slots: depth_first 0.94x fifo's throughput. oldest_first = the trajectory that started first in the step "
         "(its samples' order: carried groups first), so with over-sampling the surplus only fills slots the older "
-        "groups leave free.",
+        "groups leave free. target_first = the groups that will meet target_groups first (the undecided groups with "
+        "the fewest members left, then the oldest, as many as the target still wants), then the surplus; with "
+        "slot_preemption a target group's turn that finds every slot taken aborts a surplus request, which "
+        "continues its turn in place later (tokens and logprobs kept). Without target_groups every group is a "
+        "target group (fewest members left first, no preemption). Ray workers rank only their own trajectories.",
+    )
+    slot_preemption: bool = Field(
+        True, description="With slot_order target_first: a target group's turn may take a surplus request's slot "
+        "(the surplus request is aborted and its turn continued in place later). No effect with other orders.",
     )
     server_priority: ServerPriority = Field(
         "none",

@@ -9,11 +9,23 @@ aborted `GenerateOutput` without dispatching. It uses only the router's public m
 With `server_priority="oldest_first"` every request carries SGLang's `priority`: minus the session's age,
 so under a server's default direction (--enable-priority-scheduling: higher values first) the
 trajectory that started first is admitted first, and may preempt younger running requests.
+
+With `slot_order="target_first"` a turn's slot key is the rank its scheduler gives (`slot_rank`: the
+groups that will meet the step's target first, see `GroupBook.slot_rank`), and with `preempt` a turn of
+a better class that finds every slot taken aborts the worst-ranked request holding one. The preempted
+session continues that turn itself: it queues for a slot again and asks for the rest of the turn (its
+context plus the tokens sampled so far, the remaining `max_new_tokens`), and its caller gets one output
+whose ids and logprobs are the pieces' in order, so no agent loop sees the preemption. If the weights
+changed between the pieces, the pieces so far come back as a turn interrupted by an update
+(`interrupted_for_update`), which the episode continues with the new version's tokens recorded apart.
+The surplus of over-sampling thus fills the slots the target groups leave idle without delaying them
+when they return from their tools.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Awaitable, Callable, Iterator, Literal, Protocol, get_args
@@ -29,8 +41,13 @@ log = logging.getLogger("agentloop.engine.router")
 
 __all__ = ["RouteSession", "ServerPriority", "SessionRouter", "SlotOrder"]
 
-SlotOrder = Literal["depth_first", "fifo", "oldest_first"]
+SlotOrder = Literal["depth_first", "fifo", "oldest_first", "target_first"]
 SLOT_ORDERS: tuple[str, ...] = get_args(SlotOrder)
+
+#: Longest a preempting turn waits for its victim's abort to be sent (it then waits for a slot as usual).
+PREEMPT_ABORT_TIMEOUT = 5.0
+#: Most pieces a preempted turn is continued in before it is returned as it stands (aborted).
+MAX_PREEMPTED_PIECES = 100
 
 
 #: What each generate request tells the server of its place (SGLang's request `priority`).
@@ -65,6 +82,7 @@ class SessionRouter(Protocol):
     def request_started(self, url: str) -> None: ...
     def request_ended(self, url: str) -> None: ...
     def slots(self, url: str) -> PrioritySlots | None: ...
+    async def abort_on_servers(self, rids_by_server: Any, *, timeout: float = 10.0, by_rid: bool = False) -> int: ...
     async def report_failure(self, url: str, error: EngineError) -> None: ...
     def report_success(self, url: str) -> None: ...
 
@@ -73,11 +91,16 @@ class RouteSession:
     """The `GenerateFn` of one trajectory: sticky to one server, retried elsewhere if it dies."""
 
     def __init__(self, router: SessionRouter, key: str, *, age: int = 0, slot_order: SlotOrder = "fifo",
-                 server_priority: ServerPriority = "none") -> None:
+                 server_priority: ServerPriority = "none",
+                 slot_rank: Callable[[], tuple[int, int, int]] | None = None, preempt: bool = False) -> None:
         self.router = router
         self.key = key
         self.age = age  #: the tie-break of the slot order (older sessions first)
         self.slot_order = slot_order
+        self.slot_rank = slot_rank  #: target_first's key, from the scheduler (None: by age)
+        self.preempt = preempt and slot_order == "target_first"  #: may take a worse-ranked holder's slot
+        self.preempted = 0  #: requests of this session aborted for a better-ranked one
+        self._was_preempted = False  # the last request dispatched was aborted by a preemption
         #: SGLang's `priority` of every request (None: not sent): older sessions get higher values.
         self.priority: int | None = -age if server_priority == "oldest_first" else None
         self.url: str | None = None
@@ -148,6 +171,35 @@ class RouteSession:
 
     # ------------------------------------------------------------------ GenerateFn
     async def __call__(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput:
+        out = await self._request(input_ids, sampling_params)
+        if not self._was_preempted:
+            return out
+        return await self._continue_preempted(list(input_ids), sampling_params, out)
+
+    async def _continue_preempted(self, input_ids: list[int], params: SamplingParams,
+                                  first: GenerateOutput) -> GenerateOutput:
+        """Finish a turn whose request was preempted (see the module docstring): the pieces as one output."""
+        pieces = [first]
+        budget = params.max_new_tokens
+        while self._was_preempted and len(pieces) < MAX_PREEMPTED_PIECES:
+            sampled = [t for p in pieces for t in p.output_ids]
+            if budget is not None and len(sampled) >= budget:  # every token asked for came before the abort
+                return _joined(pieces, {"type": "length", "length": len(sampled)})
+            changes: dict[str, object] = {}
+            if budget is not None:
+                changes["max_new_tokens"] = budget - len(sampled)
+            if isinstance(params.extra.get("min_new_tokens"), int):
+                changes["extra"] = {**params.extra, "min_new_tokens": max(0, params.extra["min_new_tokens"] - len(sampled))}
+            out = await self._request(input_ids + sampled, params.replace(**changes))
+            if out.output_ids and out.weight_version != first.weight_version:
+                # Sampled by newer weights than the pieces before it: those come back as a turn cut by an
+                # update (this piece is dropped; the episode asks for the rest under the new version).
+                return _joined(pieces, None, updated=True)
+            pieces.append(out)
+        return _joined(pieces, None)
+
+    async def _request(self, input_ids: list[int], sampling_params: SamplingParams) -> GenerateOutput:
+        self._was_preempted = False
         if self._closed:
             raise RuntimeError(f"trajectory {self.key}: generate called after its route session was closed")
         router = self.router
@@ -186,19 +238,30 @@ class RouteSession:
         if not router.gate.is_open and not await self._unless_stopped(router.gate.wait_awake):
             return None
         slot = router.slots(url)
+        holder: list | None = None
         if slot is not None:
             if self.stopped:
                 return None
-            entry = slot.enqueue(self._slot_key())
+            key = self._slot_key()
+            entry = slot.enqueue(key)
             if entry is not None:
                 # Most turns wait here (more trajectories than slots): the wait is withdrawn by `stop()`
                 # rather than run in a cancel scope, whose cost per turn was a visible share of the client's CPU.
                 self._slot_waits[id(entry)] = (slot, entry)
                 try:
+                    victim = slot.preempt_for(key) if self.preempt else None
+                    if victim is not None:
+                        try:
+                            await self._abort(victim)
+                        except BaseException:
+                            slot.forfeit(entry)
+                            raise
                     if not await slot.wait(entry):
                         return None
                 finally:
                     del self._slot_waits[id(entry)]
+            if self.preempt:
+                holder = slot.hold(key, (url, rid))
         try:
             t1 = clock()
             if t1 - t0 > 1e-4:
@@ -209,8 +272,12 @@ class RouteSession:
             self.rids.append(rid)
             router.stats.requests += 1
             try:
-                return await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout,
-                                                  priority=self.priority)
+                out = await router.gate.generate(url, input_ids, params, rid=rid, timeout=router.request_timeout,
+                                                 priority=self.priority)
+                if out.aborted and PrioritySlots.was_preempted(holder) and not self.stopped:
+                    self._was_preempted = True
+                    self.preempted += 1
+                return out
             finally:
                 self.in_flight_rid = self.in_flight_url = None
                 if self._idle is not None:
@@ -219,7 +286,15 @@ class RouteSession:
                 self.events.append(TimelineEvent("generate", t1, clock()))
         finally:
             if slot is not None:
-                slot.release()
+                slot.release(holder)
+
+    async def _abort(self, victim: tuple[str, str]) -> None:
+        """Abort a preempted holder's request (its slot then passes to the best waiter: this turn, or a
+        better one). A request not on its server yet is not found there and runs to its end: no retry."""
+        url, rid = victim
+        self.router.stats.slot_preemptions += 1
+        self.router.stats.abort_requests += await self.router.abort_on_servers({url: [rid]}, timeout=PREEMPT_ABORT_TIMEOUT,
+                                                                   by_rid=True)
 
     async def _unless_stopped(self, wait: Callable[[], Awaitable[None]]) -> bool:
         """Run `wait()` unless the session is stopped first; True if `wait` completed."""
@@ -268,6 +343,8 @@ class RouteSession:
             return (-len(self.rids), self.age)
         if self.slot_order == "oldest_first":  # the session started first: a step's carried groups, then
             return (self.age, 0)               # its groups in the order they were given
+        if self.slot_order == "target_first":  # (class, members left in its group, group order)
+            return self.slot_rank() if self.slot_rank is not None else (0, 0, self.age)
         return (0, 0)
 
     def _not_dispatched(self) -> GenerateOutput:
@@ -279,3 +356,19 @@ class RouteSession:
             rid="",
             server_url=self.url or "",
         )
+
+
+def _joined(pieces: list[GenerateOutput], finish: dict | None, *, updated: bool = False) -> GenerateOutput:
+    """One turn's output from the pieces it was sampled in (in order); `finish`: its finish reason (None:
+    the last piece's); `updated`: the weights changed after these pieces, so the turn is returned aborted
+    and `interrupted_for_update`, for the episode to continue under the new version."""
+    last = pieces[-1]
+    if updated:
+        finish = {"type": "abort", "message": "preempted, then the weights were updated"}
+    return dataclasses.replace(
+        last, output_ids=[t for p in pieces for t in p.output_ids],
+        output_logprobs=[lp for p in pieces for lp in p.output_logprobs],
+        finish_reason=finish if finish is not None else last.finish_reason,
+        prompt_tokens=pieces[0].prompt_tokens, completion_tokens=sum(p.completion_tokens for p in pieces),
+        cached_tokens=sum(p.cached_tokens for p in pieces), e2e_latency=sum(p.e2e_latency for p in pieces),
+        weight_version=pieces[0].weight_version, interrupted_for_update=updated or last.interrupted_for_update)

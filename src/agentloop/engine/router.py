@@ -26,6 +26,9 @@ This module owns *which server* serves a model turn. `Router.session(key)` retur
   `"oldest_first"`: the trajectory whose session started first (in a step, the order of its samples:
   the carried groups first, then the fresh ones), so over-sampling's surplus takes only the slots the
   older groups leave free and does not slow the groups that will end the step.
+  `"target_first"`: the rank the scheduler gives (`GroupBook.slot_rank`: the groups that will meet the
+  step's target, fewest members left first), and with `preempt` a target group's turn that finds every
+  slot taken aborts a surplus request (continued in place later), so the surplus never delays the target.
 - **Server priority**: `server_priority="oldest_first"` sends every request SGLang's `priority` (minus
   its session's age: older first under the server's default direction), so a server launched with
   `--enable-priority-scheduling` (and a `--max-running-requests` below the trajectories in flight) admits
@@ -74,7 +77,8 @@ ABORT_CONCURRENCY = 64
 class RouterStats:
     requests: int = 0
     retries: int = 0
-    abort_requests: int = 0  #: /abort_request calls sent to stop sessions
+    abort_requests: int = 0  #: /abort_request calls sent to stop sessions (and to preempt slots)
+    slot_preemptions: int = 0  #: requests aborted for a better-ranked turn's slot (`target_first`)
     removed: dict[str, str] = field(default_factory=dict)  #: url → why it was taken out
 
 
@@ -123,16 +127,19 @@ class Router:
 
     # ------------------------------------------------------------------ public
     def session(self, key: str, *, slot_order: SlotOrder | None = None,
-                server_priority: ServerPriority | None = None) -> "RouteSession":
+                server_priority: ServerPriority | None = None,
+                slot_rank: Callable[[], tuple[int, int, int]] | None = None, preempt: bool = False) -> "RouteSession":
         """A sticky `GenerateFn` for one trajectory (`key` prefixes its request ids). `slot_order`: who
         of its turns gets a freed per-server slot first; `server_priority`: the request priority its turns
         carry (None: the router's settings); given with the session, so runs with different settings never
-        change one shared by the router."""
+        change one shared by the router. With `target_first`: `slot_rank` gives its turns' slot key, and
+        `preempt` lets a turn take the slot of a worse-class request (see `RouteSession`)."""
         order = self.slot_order if slot_order is None else slot_order
         check_slot_order(order)
         priority = self.server_priority if server_priority is None else server_priority
         check_server_priority(priority)
-        return RouteSession(self, key, age=next(self._sessions), slot_order=order, server_priority=priority)
+        return RouteSession(self, key, age=next(self._sessions), slot_order=order, server_priority=priority,
+                            slot_rank=slot_rank, preempt=preempt)
 
     @property
     def urls(self) -> list[str]:
@@ -146,11 +153,13 @@ class Router:
         """Trajectories currently bound (sticky) to each live server."""
         return {u: self._bound.get(u, 0) for u in self.urls}
 
-    async def abort_on_servers(self, rids_by_server: Mapping[str, Sequence[str]], *, timeout: float = 10.0) -> int:
+    async def abort_on_servers(self, rids_by_server: Mapping[str, Sequence[str]], *, timeout: float = 10.0,
+                               by_rid: bool = False) -> int:
         """Abort requests on the servers they were sent to, all servers at once: one `abort_all` to a
         server whose requests in flight are all among its `rids` (known only with `sole_client`: no other
         process generates there) — one round trip instead of one per request — else one abort per rid there, at most
-        `ABORT_CONCURRENCY` at a time. Returns the number of abort requests sent."""
+        `ABORT_CONCURRENCY` at a time (always with `by_rid`: a preemption, which must not end a request
+        dispatched meanwhile). Returns the number of abort requests sent."""
         sent = 0
         limit = anyio.CapacityLimiter(ABORT_CONCURRENCY)
 
@@ -169,7 +178,7 @@ class Router:
                 if not rids:
                     continue
                 probing = url in self._probe_locks and self._probe_locks[url].locked()  # a /health generate runs
-                if self.sole_client and not probing and self.gate.in_flight(url) <= len(rids):
+                if self.sole_client and not by_rid and not probing and self.gate.in_flight(url) <= len(rids):
                     # Nothing else runs there: abort it all at once.
                     tg.start_soon(send, url, None)
                 else:

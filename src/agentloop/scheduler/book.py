@@ -7,6 +7,7 @@ It knows the run's jobs (group members) and their results, and answers the quest
   `on_trajectory`, whether the target was just reached, whether a group left without counting so
   another prompt should be drawn);
 - `groups_wanted()`: how many more groups the target still needs (accepted + running fall short);
+- `slot_rank(i)`: trajectory `i`'s key under `slot_order: target_first` (which groups will meet the target);
 - `is_final(i)` and `partition(partial_rollout)`: which trajectories the step returns, which are
   carried over to the next one (and how), which groups the filter rejected — in input order.
 
@@ -19,6 +20,7 @@ stopped unfinished). Ungrouped runs decide per trajectory: returned unless stopp
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import traceback
 from collections import Counter
@@ -80,6 +82,7 @@ class Decision:
 @dataclass
 class _Group:
     size: int
+    order: int = 0  # its place among the run's groups (carried first, then as given or drawn)
     done: int = 0
     ok: int = 0
     accepted: bool = False  # one of the first `target_groups` complete groups that pass the filter
@@ -112,6 +115,7 @@ class GroupBook:
         self.accepted = 0  #: groups accepted (counted toward the target)
         self.rejected = 0  #: complete groups the filter rejected
         self.filter_errors = 0  #: filter calls that raised (their groups were kept)
+        self._target_set: set[str] | None = None  # slot_rank's class-0 groups (None: recompute)
 
     # ------------------------------------------------------------------ members
     def add(self, jobs: Sequence[Sample]) -> range:
@@ -126,12 +130,13 @@ class GroupBook:
         for g in dict.fromkeys(j.group_id for j in jobs):
             group = self._groups.get(g)
             if group is None:
-                self._groups[g] = _Group(len(self._members[g]))
+                self._groups[g] = _Group(len(self._members[g]), order=len(self._groups))
                 self._running += 1
             else:  # more members of a group already here: it grows (and runs again if it was complete)
                 self._running -= not group.complete
                 group.size = len(self._members[g])
                 self._running += not group.complete
+        self._target_set = None
         return range(first, len(self.jobs))
 
     def add_sample(self, sample: Sample) -> range:
@@ -166,6 +171,22 @@ class GroupBook:
             return 0
         return max(0, self.target_groups - self.accepted - self.running_groups)
 
+    def slot_rank(self, i: int) -> tuple[int, int, int]:
+        """Trajectory `i`'s request-slot key under `slot_order: target_first`, lowest first: (class,
+        members of its group still running, the group's order). Class 0: its group is among the groups
+        that will meet the target — the undecided groups with the fewest members left (then the oldest),
+        as many as the target still wants; class 1: the surplus (over-sampling's extra groups), whose
+        requests a class-0 turn may preempt. A run without a target ranks every group class 0."""
+        g = self._groups[self.jobs[i].group_id]
+        left = g.size - g.done
+        if self.target_groups is None:
+            return (0, left, g.order)
+        if self._target_set is None:
+            wanted = max(0, self.target_groups - self.accepted)
+            running = [(gr.size - gr.done, gr.order, gid) for gid, gr in self._groups.items() if not gr.complete]
+            self._target_set = {gid for _, _, gid in heapq.nsmallest(wanted, running)}
+        return (0 if self.jobs[i].group_id in self._target_set else 1, left, g.order)
+
     # ------------------------------------------------------------------ verdicts
     def finish(self, i: int, traj: Trajectory) -> Decision:
         """Record trajectory `i`'s result and decide what follows."""
@@ -173,6 +194,7 @@ class GroupBook:
             raise RuntimeError(f"trajectory {self.jobs[i].uid} finished twice")
         self.results[i] = traj
         self._unfinished -= 1
+        self._target_set = None
         gid = self.jobs[i].group_id
         g = self._groups[gid]
         g.done += 1

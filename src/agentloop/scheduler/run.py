@@ -91,6 +91,7 @@ class ScheduleRun:
         self._drawing: anyio.CancelScope | None = None  # an async feeder's wait for its next sample
         self.dropped: list[Sample] = []  # carried groups past max_staleness (stale_policy "drop")
         self.stale_restarted = 0  # carried trajectories past max_staleness restarted from their prompt
+        self.slot_preemptions = 0  # requests of this run aborted for a better-ranked turn's slot (target_first)
         #: Route sessions of the trajectories running now, by index.
         self.sessions: dict[int, RouteSession] = {}
         self.watchdog = Watchdog(clock=clock, is_running=self.sessions.__contains__, on_expired=self._expired,
@@ -128,6 +129,7 @@ class ScheduleRun:
         result.metrics.update(token_staleness(self.versions, result.trajectories))
         result.metrics["stale_restarted"] = self.stale_restarted
         result.metrics["stale_dropped"] = len(self.dropped)
+        result.metrics["slot_preemptions"] = self.slot_preemptions
         result.metrics["samples_drawn"] = self.feeder.drawn if self.feeder is not None else 0
         # Nothing may keep this run in a reference cycle (only a full collection would free it, walking
         # everything it holds; the streaming mode makes one run per trajectory): the watchdog stopped and
@@ -183,7 +185,10 @@ class ScheduleRun:
 
     async def _run_agent(self, i: int, job: Sample) -> Trajectory:
         cfg = self.cfg
-        session = self.router.session(job.uid, slot_order=cfg.slot_order, server_priority=cfg.server_priority)
+        book = self.book
+        rank = (lambda: book.slot_rank(i)) if cfg.slot_order == "target_first" else None
+        session = self.router.session(job.uid, slot_order=cfg.slot_order, server_priority=cfg.server_priority,
+                                      slot_rank=rank, preempt=cfg.slot_preemption)
         self.sessions[i] = session
         if self.stopping:
             session.stop(self.stop_reason)
@@ -197,6 +202,7 @@ class ScheduleRun:
         finally:
             session.close()
             self.sessions.pop(i, None)
+            self.slot_preemptions += session.preempted
         if i in self.watchdog.timed_out and traj.error is None:
             traj.status = "failed"
             traj.finish_reason = "timeout"
