@@ -18,6 +18,11 @@ weights → rollout → sleep):
   request slot goes to the trajectory that started first — the carried groups, then the fresh ones in
   order — so the surplus only takes slots the older groups leave free instead of slowing every group
   alike. `--slot-limit` applies to every way (wait_all's step at or below it is not limited by it).
+- **oversample_target_first** (with `--ways`): the same over-sampling with `slot_order="target_first"`
+  and the per-server limit: a freed slot goes to the groups that will meet the target (fewest members
+  left, then the oldest), and a target group's turn that finds every slot taken preempts a surplus
+  request (aborted, its turn continued in place later); `oversample_target_first_no_preempt`: the same
+  order without preemption.
 - **oversample_priority** (with `--ways`): the same over-sampling with `server_priority="oldest_first"`:
   every request carries SGLang's `priority` (older trajectories higher), so a server launched with
   `--enable-priority-scheduling --max-running-requests N` runs the oldest trajectories' turns first and
@@ -69,7 +74,8 @@ from agentloop.runtime import Runtime  # noqa: E402
 from agentloop.types import Sample  # noqa: E402
 
 
-WAYS = ("wait_all", "oversample", "oversample_oldest_first", "oversample_priority")
+WAYS = ("wait_all", "oversample", "oversample_oldest_first", "oversample_target_first",
+        "oversample_target_first_no_preempt", "oversample_priority")
 
 
 def group_stream(spec: WorkloadSpec, n: int, tag: str, cap: float = math.inf) -> Iterator[list[Sample]]:
@@ -95,6 +101,9 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
     over: dict[str, Any] = {} if mode == "wait_all" else {"target_groups": args.target_groups, "partial_rollout": True}
     if mode == "oversample_oldest_first":
         over["slot_order"] = "oldest_first"
+    if mode.startswith("oversample_target_first"):
+        over["slot_order"] = "target_first"
+        over["slot_preemption"] = not mode.endswith("_no_preempt")
     if mode == "oversample_priority":
         over["server_priority"] = "oldest_first"
     carry: list[Sample] = []
@@ -133,6 +142,7 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
             "returned_tokens_per_s": r4(tokens / m["step_seconds"]),
             "returned_mixing_weight_versions": sum(len(set(t.weight_versions)) > 1 for t in res.trajectories),
             "resumed_trajectories_returned": sum(t.metrics.get("resumed", 0) > 0 for t in res.trajectories),
+            "slot_preemptions": int(m.get("slot_preemptions", 0)),
         })
         print(f"{mode:10s} step {k}: {steps[-1]['step_s']:7.3f}s  ({len(samples)} trajectories in, "
               f"{len(res.trajectories)} returned, {len(res.carry_over)} carried over)", flush=True)
@@ -205,6 +215,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     over = f"over-sample x{report['settings']['oversample']:g} + abort"
     labels = {"wait_all": "wait for every trajectory", "oversample": over,
               "oversample_oldest_first": f"{over}, oldest first",
+              "oversample_target_first": f"{over}, target first + preemption",
+              "oversample_target_first_no_preempt": f"{over}, target first",
               "oversample_priority": f"{over}, server priority"}
     ways = [m for m in labels if m in report["steps"]]
     width = 0.8 / len(ways)
