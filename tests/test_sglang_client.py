@@ -25,7 +25,9 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from agentloop.engine.base import EngineClient, EngineError, EngineUnavailable, SamplingParams
+from agentloop.engine.base import EngineClient, EngineError, EngineUnavailable, MisalignedLogprobs, SamplingParams
+from agentloop.engine.lifecycle import Lifecycle
+from agentloop.engine.router import Router
 from agentloop.engine.sglang import SGLangClient, error_message
 
 SAMPLES = json.loads((Path(__file__).parent / "fixtures" / "sglang_http_samples.json").read_text())
@@ -233,6 +235,39 @@ async def test_generate_logprob_ids_disagreeing_with_output_ids_fail_loudly(repl
     replay.on("POST", "/generate", lambda _b: web.json_response(resp))
     with pytest.raises(EngineError, match="disagree"):
         await client.generate([1], SamplingParams(max_new_tokens=3))
+
+
+async def test_sglang_retract_off_by_one_is_named_and_the_turn_asked_again(replay, client) -> None:
+    # sglang < 0.5.19 answers a request retracted before its first token with every output id but the
+    # first token's logprob (each logprob then carries the id after its own). The router drops that
+    # answer whole and asks for the turn again; the server stays in rotation.
+    good = untrimmed_generate(recorded("generate single, logprobs")["response"])
+    bad = copy.deepcopy(good)
+    del bad["meta_info"]["output_token_logprobs"][0]
+    answers = [bad, good]
+    replay.on("POST", "/generate", lambda _b: web.json_response(answers.pop(0)))
+    with pytest.raises(MisalignedLogprobs, match="0.5.19") as err:
+        await client.generate([1], SamplingParams(max_new_tokens=3), rid="r1")
+    assert err.value.retract_off_by_one and "rid r1" in str(err.value)
+    answers[:] = [bad, good]
+    router = Router(Lifecycle([client], awake=True))
+    out = await router.session("t")([1], SamplingParams(max_new_tokens=3))
+    lps = good["meta_info"]["output_token_logprobs"]
+    assert out.output_ids == good["output_ids"] and out.output_logprobs == [lp[0] for lp in lps]
+    assert router.stats.misaligned_answers == 1 and router.stats.retries == 0 and router.urls == [replay.url]
+    assert len([r for r in replay.requests if r[1] == "/generate"]) == 3 and not answers
+
+
+async def test_answers_that_stay_misaligned_fail_the_turn_after_the_retries(replay, client) -> None:
+    bad = untrimmed_generate(recorded("generate single, logprobs")["response"])
+    bad["meta_info"]["output_token_logprobs"][0][1] += 1  # logprobs for another id: not the known shape
+    replay.on("POST", "/generate", lambda _b: web.json_response(bad))
+    router = Router(Lifecycle([client], awake=True), max_retries=2)
+    with pytest.raises(MisalignedLogprobs, match="disagree") as err:
+        await router.session("t")([1], SamplingParams(max_new_tokens=3))
+    assert not err.value.retract_off_by_one
+    assert router.stats.misaligned_answers == 2 and router.urls == [replay.url]
+    assert len([r for r in replay.requests if r[1] == "/generate"]) == 3
 
 
 async def test_release_resume_answer_null_and_send_tags(replay, client) -> None:

@@ -212,7 +212,8 @@ async def test_over_sampling_with_target_first_preempts_the_surplus_and_keeps_ev
     tokens = {0: 5, 1: 5, 2: 150, 3: 150, 4: 150, 5: 150}
     engine = FakeEngine("http://a", token_delay=0.002)
     router = Router(Lifecycle([engine], awake=True), per_server_limit=2, sole_client=True)
-    cfg = SchedulerConfig(n=2, target_groups=2, concurrency=64, slot_order="target_first", partial_rollout=True)
+    cfg = SchedulerConfig(n=2, target_groups=2, concurrency=64, slot_order="target_first", slot_preemption=True,
+                          partial_rollout=True)
     sched = Scheduler(router, tokenizer=None, agent_config=AgentConfig(max_new_tokens_per_turn=1000), config=cfg,
                       reward_fn=length_reward)
     with anyio.fail_after(60):

@@ -218,8 +218,10 @@ class SchedulerConfig(_Strict):
         "target group (fewest members left first, no preemption). Ray workers rank only their own trajectories.",
     )
     slot_preemption: bool = Field(
-        True, description="With slot_order target_first: a target group's turn may take a surplus request's slot "
-        "(the surplus request is aborted and its turn continued in place later). No effect with other orders.",
+        False, description="With slot_order target_first: a target group's turn may take a surplus request's slot "
+        "(the surplus request is aborted and its turn continued in place later). No effect with other orders. Off "
+        "by default: on SGLang (one H100) the aborts and re-prefills cost more than the wait they saved "
+        "(benchmarks/results/long_tail_sglang_h100_target_first.json: 1.15x wait-all against 1.43x without).",
     )
     server_priority: ServerPriority = Field(
         "none",

@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, Iterator, Literal, Protocol, get_ar
 import anyio
 
 from ..types import TimelineEvent
-from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError, SamplingParams
+from .base import EngineError, EngineUnavailable, GenerateOutput, MisalignedLogprobs, NoServerError, SamplingParams
 from .gate import Gate
 from .slots import PrioritySlots
 
@@ -85,6 +85,7 @@ class SessionRouter(Protocol):
     async def abort_on_servers(self, rids_by_server: Any, *, timeout: float = 10.0, by_rid: bool = False) -> int: ...
     async def report_failure(self, url: str, error: EngineError) -> None: ...
     def report_success(self, url: str) -> None: ...
+    def misaligned_answer(self, error: MisalignedLogprobs) -> None: ...
 
 
 class RouteSession:
@@ -212,6 +213,15 @@ class RouteSession:
             router.request_started(url)
             try:
                 out = await self._dispatch(url, rid, input_ids, sampling_params)
+            except MisalignedLogprobs as e:
+                # The answer is dropped whole and the same turn asked again: nothing of it reached the
+                # trajectory, so the turn is an honest fresh sample. The server is not at fault for routing.
+                if attempt >= router.max_retries:
+                    raise
+                attempt += 1
+                self.retries += 1
+                router.misaligned_answer(e)
+                continue
             except EngineError as e:
                 if not self._retryable(url, e) or attempt >= router.max_retries:
                     raise

@@ -59,7 +59,7 @@ from typing import Callable, Mapping, Sequence
 
 import anyio
 
-from .base import EngineError, EngineUnavailable, GenerateOutput, NoServerError
+from .base import EngineError, EngineUnavailable, GenerateOutput, MisalignedLogprobs, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle
@@ -79,6 +79,7 @@ class RouterStats:
     retries: int = 0
     abort_requests: int = 0  #: /abort_request calls sent to stop sessions (and to preempt slots)
     slot_preemptions: int = 0  #: requests aborted for a better-ranked turn's slot (`target_first`)
+    misaligned_answers: int = 0  #: answers dropped (and their turn asked again) for logprobs not matching their ids
     removed: dict[str, str] = field(default_factory=dict)  #: url → why it was taken out
 
 
@@ -260,6 +261,17 @@ class Router:
         self.stats.retries += 1
         if url in self.gate.urls:
             await self._on_failure(url, error)
+
+    def misaligned_answer(self, error: MisalignedLogprobs) -> None:
+        """An answer was dropped because its logprobs do not match its ids, and its turn is asked again:
+        count it; warn once per router, with the cause when it is sglang's known retraction bug."""
+        self.stats.misaligned_answers += 1
+        if self.stats.misaligned_answers == 1:
+            hint = ("sglang < 0.5.19 loses the first token's logprob of a request retracted (priority preemption "
+                    "or KV-cache pressure) before its first token: upgrade to sglang >= 0.5.19 or launch with "
+                    "--disable-overlap-schedule" if error.retract_off_by_one else "the server sent logprobs for other ids")
+            log.warning("dropped an answer whose logprobs do not match its output ids and asked for the turn again "
+                        "(counted in RouterStats.misaligned_answers; warned once): %s. %s", error, hint)
 
     def report_success(self, url: str) -> None:
         """A request to `url` was answered: its run of failures ends."""
