@@ -143,6 +143,7 @@ async def run_mode(rt: Runtime, mode: str, args: argparse.Namespace, spec: Workl
             "returned_mixing_weight_versions": sum(len(set(t.weight_versions)) > 1 for t in res.trajectories),
             "resumed_trajectories_returned": sum(t.metrics.get("resumed", 0) > 0 for t in res.trajectories),
             "slot_preemptions": int(m.get("slot_preemptions", 0)),
+            "misaligned_answers": int(m.get("misaligned_answers", 0)),
         })
         print(f"{mode:10s} step {k}: {steps[-1]['step_s']:7.3f}s  ({len(samples)} trajectories in, "
               f"{len(res.trajectories)} returned, {len(res.carry_over)} carried over)", flush=True)

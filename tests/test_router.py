@@ -7,7 +7,7 @@ import pytest
 
 from agentloop.agents.base import AgentConfig
 from agentloop.config import SchedulerConfig
-from agentloop.engine.base import EngineError, EngineUnavailable, SamplingParams
+from agentloop.engine.base import EngineError, EngineUnavailable, MisalignedLogprobs, SamplingParams
 from agentloop.engine.lifecycle import Lifecycle
 from agentloop.engine.router import Router
 from agentloop.scheduler import Scheduler
@@ -276,3 +276,20 @@ def test_slot_order_is_validated() -> None:
         Router(Lifecycle([FakeEngine("http://a")]), slot_order="lifo")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         SchedulerConfig(slot_order="random")
+
+
+async def test_an_answer_with_misaligned_logprobs_is_dropped_and_its_turn_asked_again() -> None:
+    a = FakeEngine("http://a")
+    a.error_next = MisalignedLogprobs("rid x: 2 output_token_logprobs ... disagree with 3 output_ids ...",
+                                      url="http://a", retract_off_by_one=True)
+    router = Router(Lifecycle([a]))
+    res = await scheduler(router, concurrency=4).run(samples(2, turns=2, tokens=3, tool_delay=0.01))
+    assert all(t.status == "completed" for t in res.trajectories)
+    assert res.metrics["misaligned_answers"] == 1 and router.stats.misaligned_answers == 1
+    assert router.urls == ["http://a"] and router.stats.retries == 0  # the server is not blamed
+    reference = await scheduler(Router(Lifecycle([FakeEngine("http://b")])), concurrency=4).run(
+        samples(2, turns=2, tokens=3, tool_delay=0.01))
+    got = {t.uid: (t.response_ids, t.response_mask, t.response_logprobs) for t in res.trajectories}
+    assert got == {t.uid: (t.response_ids, t.response_mask, t.response_logprobs) for t in reference.trajectories}
+    again = await scheduler(router, concurrency=4).run(samples(1, turns=1, tokens=2))
+    assert again.metrics["misaligned_answers"] == 0  # counted per run

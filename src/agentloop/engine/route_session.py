@@ -101,6 +101,7 @@ class RouteSession:
         self.slot_rank = slot_rank  #: target_first's key, from the scheduler (None: by age)
         self.preempt = preempt and slot_order == "target_first"  #: may take a worse-ranked holder's slot
         self.preempted = 0  #: requests of this session aborted for a better-ranked one
+        self.misaligned = 0  #: answers dropped for logprobs not matching their ids (the turn asked again)
         self._was_preempted = False  # the last request dispatched was aborted by a preemption
         #: SGLang's `priority` of every request (None: not sent): older sessions get higher values.
         self.priority: int | None = -age if server_priority == "oldest_first" else None
@@ -220,6 +221,7 @@ class RouteSession:
                     raise
                 attempt += 1
                 self.retries += 1
+                self.misaligned += 1
                 router.misaligned_answer(e)
                 continue
             except EngineError as e:

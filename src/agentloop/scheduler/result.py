@@ -69,7 +69,6 @@ def build_result(book: GroupBook, cfg: SchedulerConfig, *, wall: float, refill_s
             "generate_seconds": sum(t.metrics.get("generate_seconds", 0.0) for t in final),
             "tool_seconds": sum(t.metrics.get("tool_seconds", 0.0) for t in final),
             "route_retries": router_stats.retries,
-            "misaligned_answers": router_stats.misaligned_answers,
             "servers_removed": dict(router_stats.removed),
         },
     )

@@ -92,6 +92,7 @@ class ScheduleRun:
         self.dropped: list[Sample] = []  # carried groups past max_staleness (stale_policy "drop")
         self.stale_restarted = 0  # carried trajectories past max_staleness restarted from their prompt
         self.slot_preemptions = 0  # requests of this run aborted for a better-ranked turn's slot (target_first)
+        self.misaligned_answers = 0  # answers of this run dropped for logprobs not matching their ids, turns asked again
         #: Route sessions of the trajectories running now, by index.
         self.sessions: dict[int, RouteSession] = {}
         self.watchdog = Watchdog(clock=clock, is_running=self.sessions.__contains__, on_expired=self._expired,
@@ -130,6 +131,7 @@ class ScheduleRun:
         result.metrics["stale_restarted"] = self.stale_restarted
         result.metrics["stale_dropped"] = len(self.dropped)
         result.metrics["slot_preemptions"] = self.slot_preemptions
+        result.metrics["misaligned_answers"] = self.misaligned_answers
         result.metrics["samples_drawn"] = self.feeder.drawn if self.feeder is not None else 0
         # Nothing may keep this run in a reference cycle (only a full collection would free it, walking
         # everything it holds; the streaming mode makes one run per trajectory): the watchdog stopped and
@@ -203,6 +205,7 @@ class ScheduleRun:
             session.close()
             self.sessions.pop(i, None)
             self.slot_preemptions += session.preempted
+            self.misaligned_answers += session.misaligned
         if i in self.watchdog.timed_out and traj.error is None:
             traj.status = "failed"
             traj.finish_reason = "timeout"
