@@ -12,7 +12,6 @@ forward + backward + optimizer step. JSON (+ PNG: seconds per iteration per repe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys

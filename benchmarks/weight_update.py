@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402

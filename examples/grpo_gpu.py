@@ -41,7 +41,6 @@ import argparse
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import signal
 import sys

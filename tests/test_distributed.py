@@ -43,7 +43,7 @@ from agentloop.data import arithmetic_prompts  # noqa: E402
 from agentloop.distributed import EngineFleet, EngineSpec, RayRuntime, WorkerStartError  # noqa: E402
 from agentloop.engine.gate import Gate  # noqa: E402
 from agentloop.engine.base import EngineError, GenerateOutput, SamplingParams  # noqa: E402
-from agentloop.engine.lifecycle import EngineState, LifecycleError  # noqa: E402
+from agentloop.engine.lifecycle import EngineState  # noqa: E402
 from agentloop.engine.sglang import SGLangClient  # noqa: E402
 from agentloop.models.random_model import make_random_model  # noqa: E402
 from agentloop.runtime import Runtime, StepResult  # noqa: E402

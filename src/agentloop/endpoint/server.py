@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, Protocol
+from typing import Awaitable, Callable, Iterator, Protocol
 
 import anyio
 from aiohttp import web

@@ -59,7 +59,7 @@ from typing import Callable, Mapping, Sequence
 
 import anyio
 
-from .base import EngineError, EngineUnavailable, GenerateOutput, MisalignedLogprobs, NoServerError
+from .base import EngineError, EngineUnavailable, MisalignedLogprobs, NoServerError
 from .gate import Gate
 from .slots import PrioritySlots
 from .lifecycle import Lifecycle

@@ -101,10 +101,7 @@ class _Worker:
         from .tool_config import build_entry
 
         for name, kind, spec in specs:
-            if kind == "entry":
-                tool, function = build_entry(spec, f"tool {name!r}")
-            else:
-                tool, function = spec, None
+            tool = build_entry(spec, f"tool {name!r}")[0] if kind == "entry" else spec
             self.tools[name] = tool
             self.hooks[name] = state_hooks(tool, name)
 

@@ -29,13 +29,11 @@ import atexit
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
