@@ -30,7 +30,6 @@ import time
 from collections import deque
 from typing import Any, Callable, Mapping
 
-
 from ..allocator import tune_allocator
 from ..config.settings import RuntimeConfig, SchedulerConfig
 from ..engine.gate import Gate

@@ -65,14 +65,21 @@ class NoServerError(EngineUnavailable):
     """No healthy engine server is left to route to."""
 
 
+#: Why sglang < 0.5.19 answers with one logprob fewer than output ids (read in its output streamer; the
+#: shape `MisalignedLogprobs.retract_off_by_one` recognises).
+SGLANG_RETRACT_LOGPROB_BUG = (
+    "sglang < 0.5.19 drops the first token's logprob of a request retracted before its first token (priority "
+    "preemption, or decode retraction under KV-cache pressure, with overlap scheduling on); fixed in sglang 0.5.19 "
+    "by PR #26510, avoided with --disable-overlap-schedule"
+)
+
+
 class MisalignedLogprobs(EngineError):
     """A `/generate` answer whose logprobs do not belong to its output ids. Nothing of it may reach a
     trajectory; the server itself is healthy, so a router asks again (the turn is sampled afresh).
 
-    `retract_off_by_one`: the answer has the shape of sglang < 0.5.19's known bug (one logprob fewer than
-    output ids, each logprob carrying the id after its own): a request retracted before its first token
-    (priority preemption, or decode retraction under KV-cache pressure, with overlap scheduling) loses
-    the first token's logprob in the output streamer (fixed by sglang PR #26510 in 0.5.19)."""
+    `retract_off_by_one`: the answer has the shape of `SGLANG_RETRACT_LOGPROB_BUG` (one logprob fewer than
+    output ids, each logprob carrying the id after its own)."""
 
     def __init__(self, message: str, *, url: str = "", retract_off_by_one: bool = False) -> None:
         super().__init__("/generate", 200, message, url=url)
@@ -254,8 +261,7 @@ def parse_generate_response(body: Mapping[str, Any], *, rid: str, server_url: st
         lp_ids = list(map(int, map(itemgetter(1), lp_items)))
         if lp_ids != output_ids:
             off_by_one = len(lp_ids) == len(output_ids) - 1 and lp_ids == output_ids[1:]
-            why = (" (the first token's logprob is missing: sglang < 0.5.19 drops it for a request retracted before its "
-                   "first token; fixed in 0.5.19, avoided with --disable-overlap-schedule)" if off_by_one else "")
+            why = f" (the first token's logprob is missing: {SGLANG_RETRACT_LOGPROB_BUG})" if off_by_one else ""
             raise MisalignedLogprobs(
                 f"rid {rid}: {len(lp_ids)} output_token_logprobs with ids {lp_ids[:8]}... disagree with "
                 f"{len(output_ids)} output_ids {output_ids[:8]}...{why}",

@@ -214,21 +214,17 @@ class RouteSession:
             router.request_started(url)
             try:
                 out = await self._dispatch(url, rid, input_ids, sampling_params)
-            except MisalignedLogprobs as e:
-                # The answer is dropped whole and the same turn asked again: nothing of it reached the
-                # trajectory, so the turn is an honest fresh sample. The server is not at fault for routing.
-                if attempt >= router.max_retries:
-                    raise
-                attempt += 1
-                self.retries += 1
-                self.misaligned += 1
-                router.misaligned_answer(e)
-                continue
             except EngineError as e:
                 if not self._retryable(url, e) or attempt >= router.max_retries:
                     raise
                 attempt += 1
                 self.retries += 1
+                if isinstance(e, MisalignedLogprobs):
+                    # Dropped whole and the same turn asked again: nothing of it reached the trajectory, so
+                    # the next answer is an honest fresh sample. The server is not blamed for it.
+                    self.misaligned += 1
+                    router.misaligned_answer(e)
+                    continue
                 log.debug("trajectory %s: turn failed on %s (%s); retrying (%d/%d)", self.key, url, e, attempt, router.max_retries)
                 await router.report_failure(url, e)
                 if url not in router.urls:
@@ -343,7 +339,7 @@ class RouteSession:
     def _retryable(self, url: str, e: EngineError) -> bool:
         if isinstance(e, NoServerError):
             return False
-        if isinstance(e, EngineUnavailable):
+        if isinstance(e, (EngineUnavailable, MisalignedLogprobs)):
             return True
         if url not in self.router.urls:  # taken out of rotation meanwhile
             return True

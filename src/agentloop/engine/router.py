@@ -264,14 +264,11 @@ class Router:
 
     def misaligned_answer(self, error: MisalignedLogprobs) -> None:
         """An answer was dropped because its logprobs do not match its ids, and its turn is asked again:
-        count it; warn once per router, with the cause when it is sglang's known retraction bug."""
+        count it; warn once per router (the error names sglang's known cause when it has its shape)."""
         self.stats.misaligned_answers += 1
         if self.stats.misaligned_answers == 1:
-            hint = ("sglang < 0.5.19 loses the first token's logprob of a request retracted (priority preemption "
-                    "or KV-cache pressure) before its first token: upgrade to sglang >= 0.5.19 or launch with "
-                    "--disable-overlap-schedule" if error.retract_off_by_one else "the server sent logprobs for other ids")
             log.warning("dropped an answer whose logprobs do not match its output ids and asked for the turn again "
-                        "(counted in RouterStats.misaligned_answers; warned once): %s. %s", error, hint)
+                        "(counted in RouterStats.misaligned_answers; warned once): %s", error)
 
     def report_success(self, url: str) -> None:
         """A request to `url` was answered: its run of failures ends."""

@@ -36,11 +36,10 @@ request, so both are errors that name the server and the flag; a server that doe
 priority only ignores them (a warning; the rule says so); one that reports none of these is trusted.
 A SGLang server that preempts for priority (the default under --enable-priority-scheduling) is warned
 about: on sglang 0.5.17 preempted requests came back with an output id that had no logprob
-(benchmarks/results/long_tail_sglang_h200_priority_preemption_failed.json; the cause, a counter in
-sglang's output streamer for requests retracted before their first token, is fixed in sglang 0.5.19 by
-PR #26510). The client drops such an answer and asks for the turn again (`RouterStats.misaligned_answers`),
-which costs the whole turn, so such servers should run with --disable-priority-preemption (the queue is
-then ordered, nothing preempted).
+(benchmarks/results/long_tail_sglang_h200_priority_preemption_failed.json; the cause is
+`engine.base.SGLANG_RETRACT_LOGPROB_BUG`). The client drops such an answer and asks for the turn again
+(`RouterStats.misaligned_answers`), which costs the whole turn, so such servers should run with
+--disable-priority-preemption (the queue is then ordered, nothing preempted).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ from typing import Any, Mapping, Sequence
 import anyio
 
 from ..config.settings import CPU_ENGINE_CONCURRENCY, RuntimeConfig
-from ..engine.base import EngineClient
+from ..engine.base import SGLANG_RETRACT_LOGPROB_BUG, EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -196,14 +195,11 @@ def check_server_priority(setting: str, infos: Sequence[Mapping[str, Any] | None
         log.warning("server_priority %s: %s run without --enable-priority-scheduling: the priorities are ignored there",
                     setting, ", ".join(ignoring))
     if preempting:
-        rule += (f"; {', '.join(preempting)} preempt running requests, which on sglang < 0.5.19 can return output ids "
-                 "without the first one's logprob (such an answer is dropped and its turn asked again, at the cost "
-                 "of the whole turn): --disable-priority-preemption")
-        log.warning("server_priority %s: %s run SGLang's priority preemption; on sglang < 0.5.19 a request preempted "
-                    "before its first token comes back without that token's logprob (sglang PR #26510; "
-                    "benchmarks/results/long_tail_sglang_h200_priority_preemption_failed.json): the client drops such "
-                    "answers and asks again, which costs whole turns; launch them with --disable-priority-preemption",
-                    setting, ", ".join(preempting))
+        why = (f"{SGLANG_RETRACT_LOGPROB_BUG}: the client drops such an answer and asks for the turn again, at the cost "
+               "of the whole turn; launch with --disable-priority-preemption")
+        rule += f"; {', '.join(preempting)} preempt running requests ({why})"
+        log.warning("server_priority %s: %s run SGLang's priority preemption (seen on sglang 0.5.17: benchmarks/results/"
+                    "long_tail_sglang_h200_priority_preemption_failed.json); %s", setting, ", ".join(preempting), why)
     return {"server_priority": setting, "server_priority_rule": rule}
 
 
