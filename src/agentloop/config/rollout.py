@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from .settings import RuntimeConfig
+from .strict import Strict
 from ..yaml_strict import mark_where
 from ..yaml_strict import safe_load as strict_yaml_load
 
@@ -90,10 +91,8 @@ def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[st
     return out
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(Strict):
     """Everything `agentloop rollout` needs. Unknown keys are errors (a typo must not be ignored)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     data: str | None = Field(
         None,

@@ -45,7 +45,7 @@ from verl.utils.ray_utils import auto_await
 
 from ..batch import collate
 from ..agents.base import AgentConfig
-from ..config.settings import SchedulerConfig
+from ..config.scheduler import SchedulerConfig
 from ..engine.base import EngineError, GenerateOutput, SamplingParams
 from ..engine.lifecycle import Lifecycle
 from ..engine.router import Router

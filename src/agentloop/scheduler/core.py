@@ -61,7 +61,7 @@ from typing import Any, AsyncIterable, Callable, Iterable, Mapping, Sequence
 
 from ..agents.base import AgentConfig, AgentLoop
 from ..agents.registry import get_agent
-from ..config.settings import SchedulerConfig
+from ..config.scheduler import SchedulerConfig
 from ..engine.router import Router
 from ..types import Sample
 from .book import expand_samples

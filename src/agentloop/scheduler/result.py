@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.settings import SchedulerConfig
+from ..config.scheduler import SchedulerConfig
 from ..types import STATUSES, Sample, Trajectory
 from .book import GroupBook
 

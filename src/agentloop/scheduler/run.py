@@ -35,7 +35,7 @@ from typing import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 import anyio
 import anyio.abc
 
-from ..config.settings import CPU_ENGINE_CONCURRENCY, SchedulerConfig
+from ..config.scheduler import CPU_ENGINE_CONCURRENCY, SchedulerConfig
 from ..engine.router import RouteSession, Router
 from ..types import FINISHED_OK, Sample, TimelineEvent, Trajectory
 from .book import GroupBook, expand_samples
