@@ -72,6 +72,27 @@ class Request:
         # ids last: a reader that sees n ids also sees n logprobs.
         self.output_ids.append(token_id)
 
+    def banned_tokens(self, eos_token_ids: list[int]) -> list[int]:
+        """Ids it may not sample next: EOS (unless ignored) and its stop ids while under min_new_tokens."""
+        if len(self.output_ids) >= self.sampling.min_new_tokens:
+            return []
+        eos = [] if self.sampling.ignore_eos else eos_token_ids
+        return [*eos, *self.sampling.stop_token_ids]
+
+    def stop_reason(self, eos_token_ids: list[int]) -> dict[str, Any] | None:
+        """Its finish reason after the token just appended, or None to go on."""
+        # Same order as SGLang's Req.check_finished: length first, then stop tokens / EOS. Like
+        # sglang 0.5.17 (_check_token_based_finish returns early, seen on the H200), ignore_eos
+        # disables every token-based stop, stop_token_ids included.
+        if len(self.output_ids) >= self.max_new_tokens:
+            return {"type": "length", "length": len(self.output_ids)}
+        if self.sampling.ignore_eos:
+            return None
+        last = self.output_ids[-1]
+        if last in self.sampling.stop_token_ids or last in eos_token_ids:
+            return {"type": "stop", "matched": last}
+        return None
+
     def finish(self, reason: dict[str, Any]) -> None:
         if self.finished:
             return

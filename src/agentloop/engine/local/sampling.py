@@ -1,6 +1,6 @@
 """Sampling for the CPU engine: SGLang `sampling_params` parsing/validation and the sampler.
 
-Owns two things:
+Owns three things:
 - `RequestSampling.from_json`: turns one request's `sampling_params` dict into validated values,
   with SGLang's rules and messages (`sampling/sampling_params.py` `verify`: temperature >= 0,
   0 < top_p <= 1, top_k == -1 or >= 1, 0 <= min_p <= 1, max_new_tokens >= 0, penalties in range,
@@ -10,6 +10,7 @@ Owns two things:
 - `sample_next`: one sampling step over a batch of rows, each row with its own parameters and its
   own `torch.Generator` (seeded by `sampling_seed`, else by the server seed and a request counter),
   so a seeded request draws the same tokens whatever else is in the batch.
+- `input_logprobs`: a prompt's token logprobs from its prefill, in the same convention.
 
 Logit processing follows SGLang's `SamplingBatchInfo.apply_logits_bias` (penaltylib), in order:
 frequency penalty (minus penalty x count of the token in the *output* so far), presence penalty
@@ -284,3 +285,24 @@ def _sample_row(probs: torch.Tensor, p: RequestSampling, gen: torch.Generator) -
         sorted_probs[sorted_probs < sorted_probs[0] * p.min_p] = 0.0
     choice = torch.multinomial(sorted_probs, num_samples=1, generator=gen)
     return int(sorted_idx[choice].item())
+
+
+def input_logprobs(logits: torch.Tensor, ids: Sequence[int], start: int, p: RequestSampling, top_n: int, *,
+                   original_logprob: bool = False) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
+    """Logprobs of the prompt tokens `ids[start:]` from a prefill's `logits` over `ids` (row j predicts
+    token j+1), in the sampled tokens' convention (temperature-scaled unless greedy or original); the first
+    token, which nothing predicts, gets None. Top logprobs (None unless `top_n`) likewise."""
+    temp = 1.0 if (p.greedy or original_logprob) else p.temperature
+    lps = torch.log_softmax(logits[:-1] / temp, dim=-1)
+    values: list[float | None] = []
+    tops: list[list[tuple[float, int]] | None] = []
+    for j in range(start, len(ids)):
+        if j == 0:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(float(lps[j - 1, ids[j]].item()))
+        if top_n > 0:
+            v, i = lps[j - 1].topk(min(top_n, lps.shape[-1]))
+            tops.append(list(zip(v.tolist(), i.tolist())))
+    return values, tops if top_n > 0 else None

@@ -45,7 +45,7 @@ from .memory import MemoryManager
 from .model_runner import ModelRunner
 from .priority import PriorityPolicy
 from .request import Request
-from .sampling import sample_next
+from .sampling import input_logprobs, sample_next
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -313,7 +313,9 @@ class Scheduler:
         self.stats.prefill_batches += 1
         for i, r in enumerate(group):
             if want_lp[i]:
-                self._input_logprobs(r, logits[i, logits.shape[1] - len(fed[i]):])
+                r.input_token_logprobs, r.input_top_logprobs = input_logprobs(
+                    logits[i, logits.shape[1] - len(fed[i]):], r.input_ids, r.logprob_start_len, r.sampling,
+                    r.top_logprobs_num, original_logprob=self.original_logprob)
         last = logits[:, -1]
         rows = [i for i, r in enumerate(group) if r.max_new_tokens > 0]
         for i, r in enumerate(group):
@@ -330,7 +332,8 @@ class Scheduler:
             self.running.extend(group[i] for i in keep)
 
     def _sample_into(self, rows: list[Request], logits: Any) -> None:
-        banned = [self._banned(r) for r in rows]
+        eos = self.runner.eos_token_ids
+        banned = [r.banned_tokens(eos) for r in rows]
         samples = sample_next(
             logits,
             [r.sampling for r in rows],
@@ -343,30 +346,11 @@ class Scheduler:
         for r, s in zip(rows, samples):
             r.append(s.token_id, s.logprob, s.top)
             self.stats.generated_tokens += 1
-            reason = self._finish_reason(r)
+            reason = r.stop_reason(eos)
             if reason is not None:
                 self._finish(r, reason)
             else:
                 r.notify()
-
-    def _banned(self, r: Request) -> list[int]:
-        if len(r.output_ids) >= r.sampling.min_new_tokens:
-            return []
-        eos = [] if r.sampling.ignore_eos else self.runner.eos_token_ids
-        return [*eos, *r.sampling.stop_token_ids]
-
-    def _finish_reason(self, r: Request) -> dict[str, Any] | None:
-        # Same order as SGLang's Req.check_finished: length first, then stop tokens / EOS. Like
-        # sglang 0.5.17 (_check_token_based_finish returns early, seen on the H200), ignore_eos
-        # disables every token-based stop, stop_token_ids included.
-        if len(r.output_ids) >= r.max_new_tokens:
-            return {"type": "length", "length": len(r.output_ids)}
-        if r.sampling.ignore_eos:
-            return None
-        last = r.output_ids[-1]
-        if last in r.sampling.stop_token_ids or last in self.runner.eos_token_ids:
-            return {"type": "stop", "matched": last}
-        return None
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
         r.weight_version = self.weight_version
@@ -378,24 +362,3 @@ class Scheduler:
         if len(keep) != len(self.running):
             self.running = [self.running[i] for i in keep]
             self.kv.keep(keep)
-
-    def _input_logprobs(self, req: Request, logits: Any) -> None:
-        import torch
-
-        temp = 1.0 if (req.sampling.greedy or self.original_logprob) else req.sampling.temperature
-        lps = torch.log_softmax(logits[:-1] / temp, dim=-1)  # row j predicts token j+1
-        ids = req.input_ids
-        start = req.logprob_start_len
-        values: list[float | None] = []
-        tops: list[list[tuple[float, int]] | None] = []
-        for j in range(start, len(ids)):
-            if j == 0:
-                values.append(None)
-                tops.append(None)
-                continue
-            values.append(float(lps[j - 1, ids[j]].item()))
-            if req.top_logprobs_num > 0:
-                v, i = lps[j - 1].topk(min(req.top_logprobs_num, lps.shape[-1]))
-                tops.append(list(zip(v.tolist(), i.tolist())))
-        req.input_token_logprobs = values
-        req.input_top_logprobs = tops if req.top_logprobs_num > 0 else None
