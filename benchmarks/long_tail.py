@@ -198,11 +198,19 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
             r4(1 - _mean_after_first(modes[mode]) / _mean_after_first(modes["wait_all"])) if args.steps > 1 else None
         summary[mode]["returned_tokens_per_s_over_wait_all"] = \
             r4(summary[mode]["returned_tokens_per_s"] / base["returned_tokens_per_s"])
+        summary[mode]["after_first_step_returned_tokens_per_s_over_wait_all"] = \
+            r4(_rate_after_first(modes[mode]) / _rate_after_first(modes["wait_all"])) if args.steps > 1 else None
         print(f"mean step: wait_all {base['mean_step_s']:.3f}s  {mode} {summary[mode]['mean_step_s']:.3f}s  "
               f"reduction {100 * summary[f'{pre}step_time_reduction']:.1f}%; returned tokens/s "
               f"{summary[mode]['returned_tokens_per_s_over_wait_all']:.2f}x wait_all's", flush=True)
     out["summary"] = summary
     return out
+
+
+def _rate_after_first(steps: list[dict[str, Any]]) -> float:
+    """Returned tokens/s over the steps after the first (the cold step, with nothing carried, left out)."""
+    rest = steps[1:]
+    return sum(s["returned_sampled_tokens"] for s in rest) / sum(s["step_s"] for s in rest)
 
 
 def _mean_after_first(steps: list[dict[str, Any]]) -> float:
@@ -280,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_s": "Runtime.step seconds: staged wake-up with new weights + rollout + sleep (which aborts stragglers)",
         "step_time_reduction": "1 - mean oversample step seconds / mean wait_all step seconds",
         "steady_state_step_time_reduction": "the same over steps after the first (carry-over in play)",
+        "after_first_step_returned_tokens_per_s_over_wait_all": "returned tokens/s over the steps after the first, "
+                                                                 "over wait_all's over the same steps",
         "last_returned_done_s": "seconds from the rollout's start until the last returned trajectory was handed over "
                                 "(on_trajectory); stop_tail_s = rollout seconds - that (the early stop's cost)",
     }, measure, plot, checkpoints=True)
