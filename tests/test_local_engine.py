@@ -100,9 +100,21 @@ async def test_concurrent_requests_share_decode_steps(local_engine: str) -> None
         seeded_alone = await client.generate(PROMPT[:7], seeded)
         before = await stats(client)
         prompts = [PROMPT] + [PROMPT[: 4 + i] for i in range(7)]
-        outs = await asyncio.gather(
+        # Held by an in-place pause until all nine are in, so they share decode steps however slowly
+        # a loaded machine sends them (without it, each could finish before the next one arrived).
+        await client.pause_generation("in_place")
+
+        async def release_when_held() -> None:
+            deadline = asyncio.get_running_loop().time() + 30
+            while (await stats(client))["num_held"] < len(prompts) + 1:
+                assert asyncio.get_running_loop().time() < deadline, "the requests never all arrived"
+                await asyncio.sleep(0.01)
+            await client.continue_generation()
+
+        *outs, _ = await asyncio.gather(
             *(client.generate(p, GREEDY.replace(max_new_tokens=24)) for p in prompts),
             client.generate(PROMPT[:7], seeded),
+            release_when_held(),
         )
         after = await stats(client)
     assert after["max_batch_size_seen"] >= 4, after
