@@ -59,6 +59,15 @@ async def test_bad_override_and_bad_config_name_the_field() -> None:
         RuntimeConfig.model_validate({"engine": {"bogus": 1}})
     with pytest.raises(ValidationError, match="either `urls`"):
         RuntimeConfig.model_validate({"engine": {"urls": ["http://x"], "launch": {"model_path": "/m"}}})
+    # A YAML true/false in a count is a mistake pydantic would read as 1/0; switches still take it.
+    for section, key in (("scheduler", "target_groups"), ("scheduler", "max_staleness"),
+                         ("scheduler", "oversample_factor"), ("engine", "request_timeout")):
+        with pytest.raises(ValidationError, match=f"{key}: expected a number, got True"):
+            RuntimeConfig.model_validate({section: {key: True}})
+    cfg = RuntimeConfig.model_validate({"scheduler": {"partial_rollout": True, "target_groups": 2}})
+    assert cfg.scheduler.partial_rollout is True and cfg.scheduler.target_groups == 2
+    with pytest.raises(ValidationError, match="target_groups: expected a number"):
+        cfg.scheduler.target_groups = True  # assignments are checked alike
 
 
 def test_config_documents_every_field() -> None:

@@ -236,6 +236,10 @@ def test_sync_stream_and_errors() -> None:
         StreamConfig(batch_groups=1, active=0)
     with pytest.raises(ValueError, match="stale_policy"):
         StreamConfig(batch_groups=1, active=1, stale_policy="keep")  # type: ignore[arg-type]
+    for bad in ({"active": True}, {"max_staleness": True}, {"max_queued_batches": 1.5}, {"batch_groups": "2"}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"StreamConfig.{name} must be"):
+            StreamConfig(**{"batch_groups": 1, "active": 1, **bad})  # a bool is no count
 
 
 async def test_a_feeder_that_raises_ends_the_stream_with_its_error_and_keeps_what_ran() -> None:

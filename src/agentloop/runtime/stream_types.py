@@ -66,20 +66,23 @@ class StreamConfig:
     drain: DrainBy = "client"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_groups, int) or self.batch_groups < 1:
-            raise ValueError(f"StreamConfig.batch_groups must be an int >= 1, got {self.batch_groups!r}")
-        if not isinstance(self.active, int) or self.active < 1:
-            raise ValueError(f"StreamConfig.active must be an int >= 1, got {self.active!r}")
-        if not isinstance(self.max_queued_batches, int) or self.max_queued_batches < 1:
-            raise ValueError(f"StreamConfig.max_queued_batches must be an int >= 1, got {self.max_queued_batches!r}")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            raise ValueError(f"StreamConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
+        for name, low in (("batch_groups", 1), ("active", 1), ("max_queued_batches", 1), ("max_staleness", 0)):
+            value = getattr(self, name)
+            if name == "max_staleness" and value is None:
+                continue
+            if not _is_int(value) or value < low:
+                kind = "None or an int" if name == "max_staleness" else "an int"
+                raise ValueError(f"StreamConfig.{name} must be {kind} >= {low}, got {value!r}")
         if self.stale_policy not in ("drop", "restart"):
             raise ValueError(f"StreamConfig.stale_policy must be 'drop' or 'restart', got {self.stale_policy!r}")
         if self.kv_on_update not in ("recompute", "reuse"):
             raise ValueError(f"StreamConfig.kv_on_update must be 'recompute' or 'reuse', got {self.kv_on_update!r}")
         if self.drain not in ("server", "client"):
             raise ValueError(f"StreamConfig.drain must be 'server' or 'client', got {self.drain!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a count
 
 
 @dataclass
