@@ -203,10 +203,14 @@ async def _replay(url: str, model_dir: Path) -> list[str]:
                 assert lines[-1] == "data: [DONE]" and rec["sse_lines"][-1] == "data: [DONE]"
                 chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
                 real = [json.loads(ln[len("data: "):]) for ln in rec["sse_lines"][:-1]]
-                diffs += compare("/generate", real[0], chunks[0])
+                # A stream whose reader falls behind gets the newest state only (SGLang's tokenizer manager
+                # keeps the last output too): on a loaded machine all 4 tokens can come as the one final chunk.
+                if len(chunks) > 1:
+                    diffs += compare("/generate", real[0], chunks[0])
                 diffs += compare("/generate", real[-1], chunks[-1])
                 assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
-                assert chunks[0]["meta_info"]["finish_reason"] is None
+                assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+                assert len(chunks[-1]["output_ids"]) == 4
                 for a, b in zip(chunks, chunks[1:]):  # cumulative, like SGLang's
                     assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
                 i += 1
