@@ -88,6 +88,7 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
     assert len(outs) == 4 and all(o.aborted and o.interrupted_for_update and o.weight_version == old
                                   for o in outs)
     assert lc.gate.interrupted_for_update == 4
+    assert lc.gate.interrupted_by_drain == {lc.gate.update_drains: 4}  # counted for the drain that cut them
     assert late and late[0].weight_version == served and not late[0].aborted
     assert eng.sent_outside_awake == 0
     assert eng.abort_calls == [], "no re-abort: the server's own abort ended every request"
@@ -95,6 +96,29 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
     # The four aborted answers were still on the wire when the load ended; the late request may be counted
     # too, when the reopened gates sent it before the drain's record was written (a CI run saw 5).
     assert len(drain) == 1 and drain[0].detail["left"] in (4, 5)
+
+
+async def test_each_update_counts_the_answers_it_cut_even_those_back_after_it_returned() -> None:
+    from agentloop.runtime.stream_updates import UpdateLog
+
+    eng = WireEngine("http://a", wire=0.5)
+    lc = await awake(eng)
+    log = UpdateLog(lc, flush_cache=False, gc_paused=False, server_drain=True)
+    outs: list[GenerateOutput] = []
+
+    async def one(i: int) -> None:
+        outs.append(await lc.gate.generate(eng.url, [1, 2, i], LONG, rid=f"r{i}"))
+
+    for update in range(2):
+        async with anyio.create_task_group() as tg:
+            for i in range(3 + update):
+                tg.start_soon(one, 10 * update + i)
+            while len(eng.running) < 3 + update:
+                await anyio.sleep(0.01)
+            await log.apply({"w": [float(update)]})
+            assert log.interrupted[update] == 0  # the aborted answers are still on the wire
+        assert log.interrupted == [3, 4][: update + 1]  # back now, each with the update that cut it
+    assert log.metrics()["update_interrupted"] == [3, 4] and len(outs) == 7
 
 
 class DeafEngine(WireEngine):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -126,6 +126,9 @@ class Gate:
         #: continues the turn under the new weights instead of ending the trajectory.
         self.update_drains = 0
         self.interrupted_for_update = 0
+        #: The same, per drain (its number: `update_drains` once it began): an answer can come back after
+        #: its update returned (the server's drain loads while the answers are still on their way).
+        self.interrupted_by_drain: Counter[int] = Counter()
         self.closed_at: deque[float] = deque(maxlen=1000)
 
     # ------------------------------------------------------------------ state
@@ -269,6 +272,7 @@ class Gate:
                     if drains != self.update_drains and out.aborted:
                         out.interrupted_for_update = True
                         self.interrupted_for_update += 1
+                        self.interrupted_by_drain[drains + 1] += 1
                     return out
             if lost is not None:  # maybe sampled by weights this runtime did not load: dropped, retried elsewhere
                 await self.take_out(url, lost)  # (a no-op for a server already out)

@@ -29,13 +29,15 @@ class UpdateLog:
         self.drain_seconds: list[float] = []
         self.load_seconds: list[float] = []
         self.cpu_seconds: list[float] = []
-        self.interrupted: list[int] = []
+        self._drains: list[int] = []  # each update's drain number at the gate
+        self._counted: list[int] = []  # requests seen interrupted while each update ran (a gate without per-drain counts)
 
     async def apply(self, weights: Weights) -> str | None:
         """Drain, load and reopen (`Lifecycle.update_weights_drained`), measured; returns the version served.
         A failed update raises and records nothing."""
         lc = self.lifecycle
-        t0, cpu0, mark, cut0 = time.monotonic(), time.process_time(), lc.record_mark(), self._interrupted_requests()
+        t0, cpu0, mark = time.monotonic(), time.process_time(), lc.record_mark()
+        cut0 = int(getattr(lc.gate, "interrupted_for_update", 0))
         with collector_paused(self.gc_paused):
             served = await lc.update_weights_drained(weights, flush_cache=self.flush_cache,
                                                      server_drain=self.server_drain)
@@ -44,13 +46,20 @@ class UpdateLog:
         self.drain_seconds.append(sum(r.seconds for r in recs if r.stage == "drain"))
         self.load_seconds.append(sum(r.seconds for r in recs if r.stage != "drain"))
         self.cpu_seconds.append(time.process_time() - cpu0)
-        self.interrupted.append(self._interrupted_requests() - cut0)
+        self._drains.append(int(getattr(lc.gate, "update_drains", 0)))
+        self._counted.append(int(getattr(lc.gate, "interrupted_for_update", 0)) - cut0)
         return served
 
-    def _interrupted_requests(self) -> int:
-        return int(getattr(self.lifecycle.gate, "interrupted_for_update", 0))
+    @property
+    def interrupted(self) -> list[int]:
+        """Requests each update interrupted, counted by the drain that aborted them: with the server's drain
+        an aborted answer may be taken back only after its update returned, so this is read when asked."""
+        by_drain = getattr(self.lifecycle.gate, "interrupted_by_drain", None)
+        if by_drain is None:
+            return list(self._counted)
+        return [by_drain.get(d, 0) for d in self._drains]
 
     def metrics(self) -> dict[str, Any]:
         return {"update_seconds": list(self.seconds), "update_drain_seconds": list(self.drain_seconds),
                 "update_load_seconds": list(self.load_seconds), "update_cpu_seconds": list(self.cpu_seconds),
-                "update_interrupted": list(self.interrupted)}
+                "update_interrupted": self.interrupted}
