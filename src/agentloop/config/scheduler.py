@@ -33,8 +33,8 @@ class SchedulerConfig(Strict):
         None, description="Most generate requests in flight on one server (None: no per-server limit). auto: the "
         "servers' decode CUDA graph batch, read from /server_info when the runtime starts (the smallest over the "
         "servers; no limit if none reports one), so SGLang keeps decoding inside its graphs when many more "
-        "trajectories are in flight; summary.json's `concurrency` says what was used and why. The limit is per "
-        "router: per Ray worker in Ray mode.",
+        "trajectories are in flight; summary.json's `concurrency` says what was used and why. In Ray mode it is "
+        "split evenly over the workers (each gets limit // num_workers, at least 1).",
     )
     slot_order: SlotOrder = Field(
         "fifo",

@@ -61,7 +61,7 @@ from .pool import PoolEvents, WorkerPool, default_capacity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayRollout", "RayRuntime", "RayScheduler", "RemoteAgent", "RemoteStep"]
+__all__ = ["RayRollout", "RayRuntime", "RayScheduler", "RemoteAgent", "RemoteStep", "worker_config"]
 
 
 async def _keep_worker_reward(traj: Trajectory, job: Sample, *, timeout: float | None = None) -> float | None:
@@ -191,7 +191,7 @@ class RayRollout:
         rc, cfg = self.ray_config, parts.config
         tokenizer_ref = ray.put(parts.tokenizer)
         tools_ref = ray.put(self.tools) if self.tools is not None else None
-        cfg_json = cfg.model_dump(mode="json")
+        cfg_json = worker_config(cfg, rc.num_workers).model_dump(mode="json")
         all_urls = [c.url for c in parts.clients]
         answer_check = lc.fleet.answer_check()  # the servers are attached (leased) by now
 
@@ -306,6 +306,20 @@ class RayRuntime(Runtime):
     async def engine_info(self) -> list[dict[str, Any]]:
         """Where each engine server actor runs (node, GPUs, pid); empty when attached by URL."""
         return await self.fleet.info() if self.fleet is not None else []
+
+
+def worker_config(cfg: RuntimeConfig, num_workers: int) -> RuntimeConfig:
+    """The config each rollout worker builds from: `scheduler.per_server_concurrency` split evenly over the
+    workers (each worker's router holds its own slots), so the workers together send a server at most the
+    limit (its decode CUDA graphs' batch, with `auto`) rather than `num_workers` times it. A share is at least 1."""
+    limit = cfg.scheduler.per_server_concurrency
+    if not isinstance(limit, int) or num_workers <= 1:
+        return cfg
+    share = max(1, limit // num_workers)
+    if share * num_workers != limit:
+        log.info("scheduler.per_server_concurrency %d over %d Ray workers: %d per worker (%d in all)",
+                 limit, num_workers, share, share * num_workers)
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"per_server_concurrency": share})})
 
 
 def _check_shippable(name: str, value: Any, hint: str) -> None:

@@ -179,6 +179,7 @@ class RolloutWorker:
             "in_flight": self.gate.in_flight(),
             "generations_outside_awake": self.gate.generations_outside_awake,
             "servers": self.gate.urls,
+            "per_server_limit": self.router.per_server_limit,  #: this worker's share of scheduler.per_server_concurrency
         }
         if times:
             out.update(dispatch_times=list(self.dispatch_times), gate_opened_at=list(self.gate.opened_at),
