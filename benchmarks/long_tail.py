@@ -202,7 +202,9 @@ async def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], Non
             r4(_rate_after_first(modes[mode]) / _rate_after_first(modes["wait_all"])) if args.steps > 1 else None
         print(f"mean step: wait_all {base['mean_step_s']:.3f}s  {mode} {summary[mode]['mean_step_s']:.3f}s  "
               f"reduction {100 * summary[f'{pre}step_time_reduction']:.1f}%; returned tokens/s "
-              f"{summary[mode]['returned_tokens_per_s_over_wait_all']:.2f}x wait_all's", flush=True)
+              f"{summary[mode]['returned_tokens_per_s_over_wait_all']:.2f}x wait_all's"
+              + (f" ({summary[mode]['after_first_step_returned_tokens_per_s_over_wait_all']:.2f}x after the first step)"
+                 if args.steps > 1 else ""), flush=True)
     out["summary"] = summary
     return out
 
