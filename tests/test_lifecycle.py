@@ -167,13 +167,13 @@ async def test_two_steps_staged_order_and_versions() -> None:
     for step in (1, 2, 3):
         eng.calls.clear()
         v = await lc.wake_up({"w": object()})
-        assert v == f"v{step}" and lc.state is EngineState.AWAKE
+        assert v == f"auto-v{step}" and lc.state is EngineState.AWAKE
         assert eng.ops()[:3] == ["resume", "update_tensor", "resume"]
         calls = [c for c in eng.calls if c[0] != "model_info"]
         assert calls[0][1] == ("weights",)
         assert set(calls[2][1]) == {"kv_cache", "cuda_graph"}
         out = await lc.generate(eng.url, [1, 2], P, rid=f"r{step}")
-        assert out.weight_version == f"v{step}"
+        assert out.weight_version == f"auto-v{step}"
         await lc.sleep()
         assert eng.ops()[-4:] == ["pause", "continue", "flush", "release"]
     assert eng.generates_while_invalid == 0 and lc.generations_outside_awake == 0
@@ -278,12 +278,12 @@ async def test_same_state_dict_is_one_wake_up_each_step() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lc.wake_up, sd)
             tg.start_soon(lc.wake_up, sd)
-        assert eng.ops() == ["resume", "update_tensor", "resume"] and lc.weight_version == f"v{step}"
-        assert await lc.wake_up(sd) == f"v{step}"  # again while AWAKE: a no-op, version unchanged
-        assert await lc.wake_up(Weights(state_dict=sd)) == f"v{step}"
-        assert eng.ops().count("update_tensor") == 1 and lc.weight_version == f"v{step}"
+        assert eng.ops() == ["resume", "update_tensor", "resume"] and lc.weight_version == f"auto-v{step}"
+        assert await lc.wake_up(sd) == f"auto-v{step}"  # again while AWAKE: a no-op, version unchanged
+        assert await lc.wake_up(Weights(state_dict=sd)) == f"auto-v{step}"
+        assert eng.ops().count("update_tensor") == 1 and lc.weight_version == f"auto-v{step}"
         out = await lc.generate(eng.url, [1], P)
-        assert out.weight_version == f"v{step}"
+        assert out.weight_version == f"auto-v{step}"
         await lc.sleep()
         assert lc.state is EngineState.SLEEPING
     assert eng.generates_while_invalid == 0
@@ -299,8 +299,8 @@ async def test_same_path_is_one_wake_up_each_step() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lc.wake_up, "/ckpt/step")
             tg.start_soon(lc.wake_up, Path("/ckpt/step"))
-        assert eng.ops() == ["resume", "update_disk", "resume"] and lc.weight_version == f"v{step}"
-        assert await lc.wake_up("/ckpt/step/") == f"v{step}"  # the same folder: a no-op
+        assert eng.ops() == ["resume", "update_disk", "resume"] and lc.weight_version == f"auto-v{step}"
+        assert await lc.wake_up("/ckpt/step/") == f"auto-v{step}"  # the same folder: a no-op
         assert eng.ops().count("update_disk") == 1
         await lc.generate(eng.url, [1], P)
         await lc.sleep()
@@ -401,7 +401,7 @@ async def test_failed_sleep_stage_is_resumed_by_the_retry(failing: str, resumed_
         eng.calls.clear()
         lc.records.clear()
         v = await lc.wake_up({"w": object()})
-        assert eng.ops() == ["resume", "update_tensor", "resume"] and v == f"v{step}"
+        assert eng.ops() == ["resume", "update_tensor", "resume"] and v == f"auto-v{step}"
         assert (await lc.generate(eng.url, [1], P)).weight_version == v
         await lc.sleep()
         assert sleep_stages(lc) == FULL_SLEEP

@@ -30,8 +30,8 @@ def test_step_sync_runs_the_same_coroutine_for_two_steps() -> None:
         assert rt.lifecycle.state is EngineState.SLEEPING
     assert [t.uid for t in r1.trajectories] == ["p0_0", "p0_1", "p1_0", "p1_1"]
     assert [t.uid for t in r2.trajectories] == ["p0", "p1", "p2"]  # n overridden for one step
-    assert r1.weight_version == "default" and r2.weight_version == "v1"
-    assert {t.weight_version for t in r2.trajectories} == {"v1"}
+    assert r1.weight_version == "default" and r2.weight_version == "auto-v1"
+    assert {t.weight_version for t in r2.trajectories} == {"auto-v1"}
     assert r1.step == 1 and r2.step == 2
     assert sorted(seen) == sorted([t.uid for t in r1.trajectories + r2.trajectories])
     for r in (r1, r2):

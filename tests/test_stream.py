@@ -219,6 +219,27 @@ async def test_a_failed_update_leaves_the_engine_generating() -> None:
     assert m["updates"] == 5
 
 
+async def test_an_update_under_a_version_already_served_is_refused_and_the_stream_goes_on() -> None:
+    eng = FakeEngine("http://a", token_delay=0.002)
+    rt = runtime(eng)
+    async with rt:
+        async with rollout_stream(rt, feed(8), StreamConfig(batch_groups=2, active=8)) as s:
+            async for batch in s:
+                if batch.index == 1:
+                    assert await s.update_weights({"w": 1}, version="u1") == "u1"
+                elif batch.index == 2:
+                    before = eng.calls.count("update")
+                    with pytest.raises(ValueError, match="'u1' is the one served now"):
+                        await s.update_weights({"w": 2}, version="u1")  # would skip the load: stale weights
+                    assert await s.update_weights({"w": 2}, version="u2") == "u2"
+                    with pytest.raises(ValueError, match="'u1' was served before"):
+                        await s.update_weights({"w": 3}, version="u1")  # would mislabel new tokens as old
+                    assert eng.calls.count("update") == before + 1  # only u2 was loaded (no drain for the refusals)
+                    assert rt.lifecycle.gate.is_open
+            m = s.metrics
+    assert m["updates"] == 2 and m["batches"] == 4 and m["groups_accepted"] == 8
+
+
 def test_sync_stream_and_errors() -> None:
     eng = FakeEngine("http://a")
     rt = runtime(eng)

@@ -217,6 +217,7 @@ class RolloutStream:
         elif w.version is None:
             w = dataclasses.replace(w, version=self.rt.lifecycle.fresh_version())
         async with self._update_lock:
+            self._check_new_version(w.version)
             self._updating = True
             try:
                 served = await self.updates.apply(w)
@@ -227,6 +228,20 @@ class RolloutStream:
             self._counts["updates"] += 1
             self._poke()
             return served
+
+    def _check_new_version(self, version: str | None) -> None:
+        """An update's version must be a name not served before: every token is labelled with the version
+        that sampled it and its staleness counted from the order versions were first served, so a reused
+        name would silently skip the load (the name already served) or make fresh tokens look old."""
+        if version is None:
+            return
+        if version == self.weight_version:
+            raise ValueError(f"update_weights: version {version!r} is the one served now, so nothing would be "
+                             "loaded; give new weights a new version (or none: the runtime names it)")
+        if version in self.versions.versions:
+            raise ValueError(f"update_weights: version {version!r} was served before in this runtime; a reused name "
+                             "would label new tokens as that version's and count their staleness from its place; "
+                             "give a new version (or none: the runtime names it)")
 
     # Each update's cost, one entry per update (`UpdateLog`; also in `metrics`): public since before the split.
     update_seconds = property(lambda self: self.updates.seconds, doc="seconds of each update")
