@@ -5,6 +5,8 @@ past `max_staleness` are restarted or dropped; every step reports its tokens' st
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from agentloop.agents.base import AgentConfig
@@ -44,11 +46,14 @@ async def serve(lc: Lifecycle, engine: FakeEngine, version: str) -> None:
     await lc.gate.open(version)
 
 
-def test_version_log_orders_versions_and_counts_unknown_ones_as_oldest() -> None:
+def test_version_log_orders_versions_and_counts_unknown_ones_as_oldest(caplog: pytest.LogCaptureFixture) -> None:
     log = VersionLog()
     assert log.age("x") == 0 and log.current is None
-    for v in ("v1", "v2", "v1", "v3"):
-        log.observe(v)
+    with caplog.at_level(logging.WARNING, logger="agentloop.scheduler"):
+        for v in ("v1", "v1", "v2", "v1", "v3", "v1"):
+            log.observe(v)
+    # served again after newer ones: said (once), since its tokens are counted from its first place
+    assert [r.getMessage()[:33] for r in caplog.records] == ["weight version 'v1' is served aga"]
     assert log.versions == ["v1", "v2", "v3"] and log.current == "v3"
     assert [log.age(v) for v in ("v3", "v2", "v1", "other")] == [0, 1, 2, 3]
     assert log.age("v1", now="v2") == 1

@@ -16,10 +16,13 @@ are not) or its whole group leaves the step (`drop`: the group's samples come ba
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any, Iterable
 
 from ..types import Trajectory
+
+log = logging.getLogger("agentloop.scheduler")
 
 __all__ = ["VersionLog", "token_staleness"]
 
@@ -29,11 +32,22 @@ class VersionLog:
 
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
+        self._warned: set[str] = set()  # versions served again after newer ones (said once each)
 
     def observe(self, version: str | None) -> None:
         """Record `version` as served now (a version seen before keeps its place)."""
-        if version and version not in self._index:
+        if not version:
+            return
+        if version not in self._index:
             self._index[version] = len(self._index)
+        elif version != self.current and version not in self._warned:
+            # A name served again after newer ones (a rollback, or a trainer's counter reset): the order is by
+            # first sight, so the staleness of what it samples is counted from its old place.
+            self._warned.add(version)
+            log.warning("weight version %r is served again after %d newer version(s) (latest %r): token staleness "
+                        "counts versions by first sight, so tokens it samples now count as that many versions old; "
+                        "give new weights a new version name", version, len(self._index) - 1 - self._index[version],
+                        self.current)
 
     @property
     def versions(self) -> list[str]:
