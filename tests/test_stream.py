@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from agentloop.engine.lifecycle import EngineState
+from agentloop.group_filters import register_group_filter
 from agentloop.runtime import Runtime
 from agentloop.runtime.stream import StreamConfig, rollout_stream
 from agentloop.runtime.stream_sync import SyncRolloutStream
@@ -119,8 +120,12 @@ async def test_staleness_bound_holds_for_every_trained_token(eta: int, policy: s
                 assert max(batch.staleness) <= eta, batch.staleness
                 for k, v in batch.staleness.items():
                     hist[k] = hist.get(k, 0) + v
-                # AReaL's admission rule, at every point the trainer sees
-                assert s.counts["groups_admitted"] <= (s.counts["updates"] + eta + 1) * 2
+                # AReaL's admission rule, at every point the trainer sees: groups running or accepted (a stale
+                # group dropped or restarted gave its place back)
+                c, gc = s.counts, s.groups.counts
+                counted = (c["groups_admitted"] - c["groups_dropped_stale"] - c["groups_restarted_stale"]
+                           - gc["groups_failed"] - gc["groups_rejected"])
+                assert counted <= (c["updates"] + eta + 1) * 2
                 if batch.index >= 12:
                     break
                 await s.update_weights({"w": batch.index})
@@ -136,6 +141,31 @@ async def test_staleness_bound_holds_for_every_trained_token(eta: int, policy: s
     else:
         assert stale > 0  # the long group was more than η versions old when handed out: the policy took it
         assert m["groups_restarted_stale" if policy == "restart" else "groups_dropped_stale"] == stale
+
+
+@register_group_filter("test_stream_reject_p2")
+def _reject_p2(group: list[Any]) -> bool:
+    return group[0].group_id != "p2"
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+async def test_failed_and_rejected_groups_give_back_their_staleness_capacity(eta: int) -> None:
+    """AReaL counts accepted rollouts: a group that fails (here p1, p4) or that the filter rejects (p2)
+    never reaches the trainer, so it must not hold a place in (updates + eta + 1) x batch_groups, or
+    the last batch stays short forever and the trainer waits for it (with eta = 0, at the first failure)."""
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng, group_filter="test_stream_reject_p2")
+    prompts = feed(10)
+    for k in (1, 4):
+        prompts[k].extra["raise"] = True
+    async with rt:
+        async with rollout_stream(rt, prompts, StreamConfig(batch_groups=2, active=4, max_staleness=eta)) as s:
+            with anyio.fail_after(30):
+                async for batch in s:
+                    await s.update_weights({"w": batch.index})
+            m = s.metrics
+    assert m["groups_failed"] == 2 and m["groups_rejected"] == 1 and m["groups_accepted"] == 7
+    assert m["batches"] == 4 and m["groups_admitted"] == 10  # 3 of 2 groups, then the last one alone at the end
 
 
 async def test_closing_early_keeps_every_trajectory_somewhere() -> None:

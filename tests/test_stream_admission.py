@@ -33,6 +33,10 @@ def test_bounds_active_backpressure_and_staleness_capacity() -> None:
     adm.counts["groups_admitted"] = 4  # (0 updates + eta 1 + 1) x 2 groups
     assert not adm.allows(1, in_flight=0, buffered_groups=0, updates=0)
     assert adm.allows(1, in_flight=0, buffered_groups=0, updates=1)  # an update makes room for 2 more
+    # a group that failed or was rejected, or that the bound dropped or restarted, gives its place back
+    assert adm.allows(1, in_flight=0, buffered_groups=0, updates=0, groups_discarded=1)
+    adm.counts["groups_dropped_stale"] = 1
+    assert adm.allows(1, in_flight=0, buffered_groups=0, updates=0)
 
 
 def test_restarts_come_first_uids_are_unique_and_prompts_fresh() -> None:

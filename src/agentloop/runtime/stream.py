@@ -29,8 +29,8 @@ blocking portal, same coroutines). What happens:
   or an async iterator) and its `n` members start whenever fewer than `active` trajectories are in
   flight, the queue to the trainer is not full (backpressure: a trainer that stops consuming stops
   admission; what waits is bounded by `max_queued_batches` batches plus what was in flight), no
-  weight update is under way, and the staleness bound allows it (AReaL's rule: groups admitted ≤
-  (updates + η + 1) × batch_groups). Every trajectory runs through `Scheduler.run` (failure
+  weight update is under way, and the staleness bound allows it (AReaL's rule: groups running or accepted ≤
+  (updates + η + 1) × batch_groups; a failed, rejected or stale group gives its place back). Every trajectory runs through `Scheduler.run` (failure
   isolation, timeouts, rewards as in a step) and every generate through the router and the gate.
 - **Groups**: a group is complete when all its members finished; one with a failed member is
   dropped (counted), the group filter (`group_filter`) rejects or accepts it, and accepted groups
@@ -287,8 +287,10 @@ class RolloutStream:
     def _admissible(self, n: int) -> bool:
         if self._closing or self._updating or self._error is not None:
             return False
+        gc = self.groups.counts
         return self.admission.allows(n, in_flight=self.in_flight, buffered_groups=self.buffered_groups,
-                                     updates=self._counts["updates"])
+                                     updates=self._counts["updates"],
+                                     groups_discarded=gc["groups_failed"] + gc["groups_rejected"])
 
     async def _admit(self) -> None:
         try:

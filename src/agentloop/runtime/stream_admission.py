@@ -42,17 +42,24 @@ class StreamAdmission:
         """Nothing more to admit: the feeder ran out and no restart waits."""
         return self.exhausted and not self.restarts
 
-    def allows(self, n: int, *, in_flight: int, buffered_groups: int, updates: int) -> bool:
+    def allows(self, n: int, *, in_flight: int, buffered_groups: int, updates: int, groups_discarded: int = 0) -> bool:
         """A group of `n` members may start now: under `active` (an empty stream takes one regardless,
         so `active` below the group size still makes progress), the trainer's queue not full, and within
-        the staleness capacity (AReaL: groups admitted ≤ (updates + η + 1) × batch_groups)."""
+        the staleness capacity (AReaL: groups running or accepted ≤ (updates + η + 1) × batch_groups).
+        `groups_discarded`: complete groups that will never reach the trainer (a member failed, the
+        group filter said no); with the groups this bound dropped or restarted they give their place
+        back, as AReaL counts accepted rollouts: else a failed group would leave the last batch short
+        forever and the trainer would wait for it (with η = 0, at the first failure)."""
         c = self.config
         if in_flight + n > c.active and in_flight > 0:
             return False
         if buffered_groups >= c.max_queued_batches * c.batch_groups:
             return False  # backpressure: the trainer is not taking batches
-        if c.max_staleness is not None and self.counts["groups_admitted"] >= (updates + c.max_staleness + 1) * c.batch_groups:
-            return False
+        if c.max_staleness is not None:
+            counted = (self.counts["groups_admitted"] - groups_discarded - self.counts["groups_dropped_stale"]
+                       - self.counts["groups_restarted_stale"])
+            if counted >= (updates + c.max_staleness + 1) * c.batch_groups:
+                return False
         return True
 
     async def next(self) -> Sample | None:

@@ -29,8 +29,8 @@ class StreamConfig:
       bare client that refills a finished trajectory's slot at once).
     - `max_queued_batches`: the bound of the queue to the trainer; once that many batches (complete
       groups included that are not yet batched) wait, nothing new is admitted (backpressure).
-    - `max_staleness` (AReaL's η): a group is admitted only while groups admitted so far ≤
-      (updates applied + η + 1) × batch_groups, and a complete group whose oldest first token is more
+    - `max_staleness` (AReaL's η): a group is admitted only while the groups running or accepted
+      so far (a failed, rejected or stale group gives its place back) ≤ (updates applied + η + 1) × batch_groups, and a complete group whose oldest first token is more
       than η versions behind the served version when it is handed out is handled by `stale_policy`.
       None: no bound (only `active` and the queue limit admission).
     - `stale_policy`: "drop" (the group is discarded and counted) or "restart" (its prompt is
