@@ -168,6 +168,34 @@ async def test_failed_and_rejected_groups_give_back_their_staleness_capacity(eta
     assert m["batches"] == 4 and m["groups_admitted"] == 10  # 3 of 2 groups, then the last one alone at the end
 
 
+async def test_a_stream_held_back_only_by_the_staleness_bound_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    import agentloop.runtime.stream as stream_mod
+
+    monkeypatch.setattr(stream_mod, "STALL_WARNING_S", 0.2)
+    eng = FakeEngine("http://a", token_delay=0.001)
+    rt = runtime(eng)
+    async with rt:
+        async with rollout_stream(rt, feed(6), StreamConfig(batch_groups=2, active=8, max_staleness=0)) as s:
+            first = await s.__anext__()
+            with caplog.at_level("WARNING", logger="agentloop.runtime.stream"):
+                await anyio.sleep(0.6)  # training on it: nothing to say
+                assert "admits no more groups" not in caplog.text
+                second: Any = None
+
+                async def next_batch() -> None:
+                    nonlocal second
+                    second = await s.__anext__()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(next_batch)  # asks for the next batch before updating: would wait forever
+                    await anyio.sleep(0.6)
+                    assert "admits no more groups until the next update_weights" in caplog.text
+                    with anyio.fail_after(10):
+                        await s.update_weights({"w": 1})  # another task updates: the next batch comes
+    assert (first.index, second.index) == (1, 2)
+
+
 async def test_closing_early_keeps_every_trajectory_somewhere() -> None:
     eng = FakeEngine("http://a", token_delay=0.002)
     rt = runtime(eng)

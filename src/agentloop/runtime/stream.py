@@ -89,6 +89,8 @@ __all__ = ["RolloutStream", "SyncRolloutStream", "StreamBatch", "StreamConfig", 
 #: A trajectory interrupted this many times in a row (weight updates, engine aborts) fails instead of
 #: being resumed again: an engine that aborts everything must not loop a trajectory forever.
 MAX_RESUMES = 100
+#: Seconds admission may be held back by the staleness capacity alone, nothing in flight, before it says so.
+STALL_WARNING_S = 10.0
 #: Seconds between two liveness probes that failed trajectories ask for (`EngineWatch`).
 ENGINE_CHECK_INTERVAL = 1.0
 
@@ -126,6 +128,8 @@ class RolloutStream:
                                    interval=ENGINE_CHECK_INTERVAL)
         self._updating = False
         self._closing = False
+        self._stall_warned = False
+        self._trainer_waiting = False  # in `__anext__`, waiting for a batch
         self._error: Exception | None = None  # why admission stopped, if the feeder failed
         self.in_flight = 0
         self.batches = StreamBatches(self.versions, runtime.pad_token_id, self.pad_to)
@@ -188,12 +192,15 @@ class RolloutStream:
         while True:
             if self._error is not None:
                 raise self._error
+            self._trainer_waiting = True
             try:
                 groups = await self.queue.get()
             except (anyio.EndOfStream, anyio.ClosedResourceError):  # closed: the stream's block has ended
                 if self._error is not None:
                     raise self._error from None
                 raise StopAsyncIteration from None
+            finally:
+                self._trainer_waiting = False
             self._poke()  # room in the queue: admission may go on
             groups = self.admission.bound_staleness(groups, self.versions)  # a restart is admitted on the poke above
             if groups:
@@ -311,7 +318,10 @@ class RolloutStream:
         while True:
             # After the feeder ran out, only restarted prompts (stale_policy "restart") are admitted.
             while not self._admissible(n) or self.admission.drained:
-                await self._wait_change()
+                with anyio.move_on_after(STALL_WARNING_S) as waited:
+                    await self._wait_change()
+                if waited.cancelled_caught:
+                    self._warn_if_stalled(n)
             sample = await self.admission.next()
             if sample is None:
                 self._poke()
@@ -322,6 +332,21 @@ class RolloutStream:
             assert self._tg is not None
             for i, m in enumerate(members):
                 self._tg.start_soon(self._run_member, group, i, m)
+
+    def _warn_if_stalled(self, n: int) -> None:
+        """Said once: the trainer waits for a batch, nothing runs, and only the staleness capacity holds
+        admission back, so no batch comes until `update_weights` (from another task, or never)."""
+        if (self._stall_warned or not self._trainer_waiting or self.in_flight or self.groups.ready or self.queue.waiting
+                or self.admission.drained):
+            return
+        if self._closing or self._updating or self._error is not None:
+            return
+        if self.admission.allows(n, in_flight=0, buffered_groups=0, updates=self._counts["updates"] + 1,
+                                 groups_discarded=self.groups.counts["groups_failed"] + self.groups.counts["groups_rejected"]):
+            self._stall_warned = True
+            log.warning("rollout stream: nothing in flight for %.0f s and max_staleness=%d admits no more groups until "
+                        "the next update_weights (%d applied), and the trainer is waiting for a batch: unless another "
+                        "task updates the weights, it waits forever", STALL_WARNING_S, self.config.max_staleness, self._counts["updates"])
 
     # ------------------------------------------------------------------ one trajectory
     async def _run_member(self, group: StreamGroup, i: int, job: Sample) -> None:
