@@ -37,22 +37,16 @@ blocking portal, same coroutines). What happens:
   are batched `batch_groups` at a time. When the trainer takes a batch, a group whose oldest first
   token is more than η versions behind the served version is dropped or restarted
   (`stale_policy`), and the batch's staleness histogram (versions behind → trained tokens) is set.
-- **Weights in flight** (`update_weights`, `Lifecycle.update_weights_drained`): the gates close (generates wait
-  there), the load goes out with `abort_all_requests` so each server aborts every request (it returns
-  with the tokens sampled so far) and loads once none runs (the same payloads as a staged wake-up's
-  load; the prefix cache flushed unless `kv_on_update="reuse"`), and the gates reopen on the new version. The gate marks each request
-  aborted across the drain (`interrupted_for_update`), and its episode goes on in place
-  (`Episode.generate`): the tokens sampled so far are a piece of the turn with the old version, and
-  the rest of the turn is a new request that waits at the gate and is sampled by the new weights.
-  Every token's recorded version is the version that sampled it (with the default
-  `kv_on_update="recompute"` no KV of the old weights is reused; "reuse" keeps it), and no
-  trajectory ends or is re-admitted for an update (before, each was resumed as a partial rollout
-  through a new scheduler run: client work on the update's critical path; the measured cost is in
-  benchmarks/README.md, issue 27). Why not SGLang's `in_place` or
-  `retract` pause (the lifecycle's `update_weights_in_flight` uses `retract`): SGLang reports one
-  `weight_version` per response, so a request that spans the update would label the tokens sampled
-  before it with the new version (and `in_place` continues on the old weights' KV). The cost is one
-  re-prefill per interrupted request (none with `kv_on_update="reuse"`). See docs/trainers.md.
+- **Weights in flight** (`update_weights`; `Lifecycle.update_weights_drained`; what each cost: `UpdateLog`):
+  the gates close (generates wait there), every request in flight is aborted — by this process
+  (`drain="client"`, the default: abort all, wait until every answer is back) or by the server with the
+  load (`"server"`: `abort_all_requests`) — the weights load (the prefix cache flushed unless
+  `kv_on_update="reuse"`) and the gates reopen on the new version, which must be a name not served
+  before (`VersionLog.check_new`). An aborted turn goes on in place (`Episode.generate`): its tokens
+  so far are a piece with the old version, the rest is sampled by the new weights, so every token's
+  version is the one that sampled it and no trajectory ends for an update. Not SGLang's `in_place` or
+  `retract` pause: SGLang reports one `weight_version` per response, so a request spanning the update
+  would label its earlier tokens with the new version (docs/trainers.md, "Which pause mode").
 """
 
 from __future__ import annotations
@@ -224,7 +218,7 @@ class RolloutStream:
         elif w.version is None:
             w = dataclasses.replace(w, version=self.rt.lifecycle.fresh_version())
         async with self._update_lock:
-            self._check_new_version(w.version)
+            self.versions.check_new(w.version, served=self.weight_version, what="update_weights")
             self._updating = True
             try:
                 served = await self.updates.apply(w)
@@ -235,20 +229,6 @@ class RolloutStream:
             self._counts["updates"] += 1
             self._poke()
             return served
-
-    def _check_new_version(self, version: str | None) -> None:
-        """An update's version must be a name not served before: every token is labelled with the version
-        that sampled it and its staleness counted from the order versions were first served, so a reused
-        name would silently skip the load (the name already served) or make fresh tokens look old."""
-        if version is None:
-            return
-        if version == self.weight_version:
-            raise ValueError(f"update_weights: version {version!r} is the one served now, so nothing would be "
-                             "loaded; give new weights a new version (or none: the runtime names it)")
-        if version in self.versions.versions:
-            raise ValueError(f"update_weights: version {version!r} was served before in this runtime; a reused name "
-                             "would label new tokens as that version's and count their staleness from its place; "
-                             "give a new version (or none: the runtime names it)")
 
     # Each update's cost, one entry per update (`UpdateLog`; also in `metrics`): public since before the split.
     update_seconds = property(lambda self: self.updates.seconds, doc="seconds of each update")
@@ -294,10 +274,13 @@ class RolloutStream:
     def _admissible(self, n: int) -> bool:
         if self._closing or self._updating or self._error is not None:
             return False
-        gc = self.groups.counts
         return self.admission.allows(n, in_flight=self.in_flight, buffered_groups=self.buffered_groups,
-                                     updates=self._counts["updates"],
-                                     groups_discarded=gc["groups_failed"] + gc["groups_rejected"])
+                                     updates=self._counts["updates"], groups_discarded=self._discarded)
+
+    @property
+    def _discarded(self) -> int:
+        """Complete groups that will never reach the trainer (a member failed, the filter said no)."""
+        return self.groups.counts["groups_failed"] + self.groups.counts["groups_rejected"]
 
     async def _admit(self) -> None:
         try:
@@ -334,19 +317,17 @@ class RolloutStream:
                 self._tg.start_soon(self._run_member, group, i, m)
 
     def _warn_if_stalled(self, n: int) -> None:
-        """Said once: the trainer waits for a batch, nothing runs, and only the staleness capacity holds
-        admission back, so no batch comes until `update_weights` (from another task, or never)."""
-        if (self._stall_warned or not self._trainer_waiting or self.in_flight or self.groups.ready or self.queue.waiting
-                or self.admission.drained):
+        """Said once: the trainer waits for a batch, nothing runs or waits, and only the staleness capacity
+        holds admission back, so no batch comes until `update_weights` (from another task, or never)."""
+        idle = not (self.in_flight or self.groups.ready or self.queue.waiting or self._closing or self._updating)
+        if self._stall_warned or not (self._trainer_waiting and idle) or self._error is not None:
             return
-        if self._closing or self._updating or self._error is not None:
-            return
-        if self.admission.allows(n, in_flight=0, buffered_groups=0, updates=self._counts["updates"] + 1,
-                                 groups_discarded=self.groups.counts["groups_failed"] + self.groups.counts["groups_rejected"]):
+        if self.admission.held_back_by_staleness(n, updates=self._counts["updates"], groups_discarded=self._discarded):
             self._stall_warned = True
-            log.warning("rollout stream: nothing in flight for %.0f s and max_staleness=%d admits no more groups until "
-                        "the next update_weights (%d applied), and the trainer is waiting for a batch: unless another "
-                        "task updates the weights, it waits forever", STALL_WARNING_S, self.config.max_staleness, self._counts["updates"])
+            log.warning("rollout stream: nothing in flight for %.0f s, max_staleness=%d admits no more groups until "
+                        "the next update_weights (%d applied), and the trainer waits for a batch: unless another "
+                        "task updates the weights, it waits forever", STALL_WARNING_S, self.config.max_staleness,
+                        self._counts["updates"])
 
     # ------------------------------------------------------------------ one trajectory
     async def _run_member(self, group: StreamGroup, i: int, job: Sample) -> None:

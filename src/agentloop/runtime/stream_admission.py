@@ -62,6 +62,15 @@ class StreamAdmission:
                 return False
         return True
 
+    def held_back_by_staleness(self, n: int, *, updates: int, groups_discarded: int = 0) -> bool:
+        """Only the staleness capacity stops a group of `n` now (nothing in flight or buffered): the next
+        update would let it in. False once the feeder ran out."""
+        if self.drained:
+            return False
+        now = self.allows(n, in_flight=0, buffered_groups=0, updates=updates, groups_discarded=groups_discarded)
+        return not now and self.allows(n, in_flight=0, buffered_groups=0, updates=updates + 1,
+                                       groups_discarded=groups_discarded)
+
     async def next(self) -> Sample | None:
         """The next prompt to admit (counted as admitted), or None once the feeder ran out (restarts
         still come after that). A prompt whose uid was admitted before, or one that is not fresh (a

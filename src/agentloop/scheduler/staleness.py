@@ -49,6 +49,21 @@ class VersionLog:
                         "give new weights a new version name", version, len(self._index) - 1 - self._index[version],
                         self.current)
 
+    def check_new(self, version: str | None, *, served: str | None, what: str) -> None:
+        """ValueError unless `version` (None: the runtime names it) is a name not served before: every token
+        is labelled with the version that sampled it and its staleness counted from the order versions
+        were first served, so a reused name would skip the load (the name served now) or make fresh tokens
+        look old (a name served earlier)."""
+        if version is None:
+            return
+        if version == served:
+            raise ValueError(f"{what}: version {version!r} is the one served now, so nothing would be loaded; "
+                             "give new weights a new version (or none: the runtime names it)")
+        if version in self._index:
+            raise ValueError(f"{what}: version {version!r} was served before in this runtime; a reused name would "
+                             "label new tokens as that version's and count their staleness from its place; give a "
+                             "new version (or none: the runtime names it)")
+
     @property
     def versions(self) -> list[str]:
         return list(self._index)
