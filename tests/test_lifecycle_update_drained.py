@@ -100,10 +100,11 @@ async def test_the_update_does_not_wait_for_aborted_answers_on_the_wire() -> Non
 
 async def test_each_update_counts_the_answers_it_cut_even_those_back_after_it_returned() -> None:
     from agentloop.runtime.stream_updates import UpdateLog
+    from agentloop.scheduler.staleness import VersionLog
 
     eng = WireEngine("http://a", wire=0.5)
     lc = await awake(eng)
-    log = UpdateLog(lc, flush_cache=False, gc_paused=False, server_drain=True)
+    log = UpdateLog(lc, VersionLog(), flush_cache=False, gc_paused=False, server_drain=True)
     outs: list[GenerateOutput] = []
 
     async def one(i: int) -> None:
@@ -115,7 +116,7 @@ async def test_each_update_counts_the_answers_it_cut_even_those_back_after_it_re
                 tg.start_soon(one, 10 * update + i)
             while len(eng.running) < 3 + update:
                 await anyio.sleep(0.01)
-            await log.apply({"w": [float(update)]})
+            await log.apply({"w": [float(update)]}, f"u{update}")
             assert log.interrupted[update] == 0  # the aborted answers are still on the wire
         assert log.interrupted == [3, 4][: update + 1]  # back now, each with the update that cut it
     assert log.metrics()["update_interrupted"] == [3, 4] and len(outs) == 7

@@ -52,7 +52,6 @@ blocking portal, same coroutines). What happens:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any, AsyncIterable, AsyncIterator, Iterable, Mapping
@@ -60,7 +59,7 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Mapping
 import anyio
 import anyio.abc
 
-from ..engine.lifecycle import EngineState, Lifecycle, Weights
+from ..engine.lifecycle import EngineState, Lifecycle
 from ..scheduler import expand_samples, with_overrides
 from ..group_filters import get_group_filter
 from ..scheduler.gc_scope import frozen_heap
@@ -117,10 +116,8 @@ class RolloutStream:
         self._tg: anyio.abc.TaskGroup | None = None
         self._changed = anyio.Event()
         self.queue: BatchQueue[list[list[Trajectory]]] = BatchQueue(config.max_queued_batches)
-        self._update_lock = anyio.Lock()
         self.engines = EngineWatch(runtime.lifecycle, self._stop_with, hung_timeout=runtime.config.engine.hung_timeout,
                                    interval=ENGINE_CHECK_INTERVAL)
-        self._updating = False
         self._closing = False
         self._stall_warned = False
         self._trainer_waiting = False  # in `__anext__`, waiting for a batch
@@ -132,11 +129,12 @@ class RolloutStream:
         self.leftover: list[Sample] = []
         #: Complete, accepted groups the trainer had not taken when the stream closed (nothing is lost).
         self.unconsumed: list[list[Trajectory]] = []
-        self._counts: dict[str, int] = dict.fromkeys(("trajectories_finished", "trajectories_resumed", "updates"), 0)
+        self._counts: dict[str, int] = dict.fromkeys(("trajectories_finished", "trajectories_resumed"), 0)
         #: What each in-flight update cost (`trajectories_resumed` counts trajectories resumed as partial
         #: rollouts instead of going on in place).
-        self.updates = UpdateLog(runtime.lifecycle, flush_cache=config.kv_on_update == "recompute",
-                                 gc_paused=self.scfg.gc_freeze, server_drain=config.drain == "server")
+        self.updates = UpdateLog(runtime.lifecycle, self.versions, flush_cache=config.kv_on_update == "recompute",
+                                 gc_paused=self.scfg.gc_freeze, server_drain=config.drain == "server",
+                                 on_change=self._poke)
         self.max_buffered_groups = 0  # most complete groups waiting for the trainer at once (backpressure)
         self.t_awake: float | None = None
 
@@ -202,33 +200,12 @@ class RolloutStream:
                                          in_flight=self.in_flight, buffered_groups=self.buffered_groups)
 
     async def update_weights(self, weights: Any, version: str | None = None) -> str | None:
-        """Apply new weights in flight (see the module docstring); returns the version now served.
-        Without a `version` (and none on a `Weights`), the lifecycle makes up one it never gave before,
-        so that a state dict the trainer updates in place is still loaded, and a second stream on the
-        same runtime does not reuse the first one's names (the version log orders versions by first
-        sight: a reused name would make new tokens look many versions old)."""
+        """Apply new weights in flight (see the module docstring; `UpdateLog.apply`: one at a time, a version
+        not served before, or none: the lifecycle names it); returns the version now served."""
         if self._closing:
             raise RuntimeError("update_weights on a rollout stream that is closed (its block ended and the engines "
                                "sleep): load the weights with the next rt.step(samples, weights) or stream's weights=")
-        w = Weights.coerce(weights)
-        if w is None:
-            raise ValueError("update_weights needs weights (a state dict, a path or Weights), got None")
-        if version is not None:
-            w = dataclasses.replace(w, version=version)
-        elif w.version is None:
-            w = dataclasses.replace(w, version=self.rt.lifecycle.fresh_version())
-        async with self._update_lock:
-            self.versions.check_new(w.version, served=self.weight_version, what="update_weights")
-            self._updating = True
-            try:
-                served = await self.updates.apply(w)
-            finally:
-                self._updating = False
-                self._poke()
-            self.versions.observe(served)
-            self._counts["updates"] += 1
-            self._poke()
-            return served
+        return await self.updates.apply(weights, version)  # its end pokes admission (`on_change`)
 
     # Each update's cost, one entry per update (`UpdateLog`; also in `metrics`): public since before the split.
     update_seconds = property(lambda self: self.updates.seconds, doc="seconds of each update")
@@ -251,7 +228,7 @@ class RolloutStream:
     def counts(self) -> dict[str, int]:
         """Prompts admitted, groups dropped or restarted for staleness, trajectories finished and resumed,
         updates applied."""
-        return {**self.admission.counts, **self._counts}
+        return {**self.admission.counts, **self._counts, "updates": self.updates.count}
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -272,10 +249,10 @@ class RolloutStream:
         await self._changed.wait()
 
     def _admissible(self, n: int) -> bool:
-        if self._closing or self._updating or self._error is not None:
+        if self._closing or self.updates.updating or self._error is not None:
             return False
         return self.admission.allows(n, in_flight=self.in_flight, buffered_groups=self.buffered_groups,
-                                     updates=self._counts["updates"], groups_discarded=self._discarded)
+                                     updates=self.updates.count, groups_discarded=self._discarded)
 
     @property
     def _discarded(self) -> int:
@@ -319,15 +296,15 @@ class RolloutStream:
     def _warn_if_stalled(self, n: int) -> None:
         """Said once: the trainer waits for a batch, nothing runs or waits, and only the staleness capacity
         holds admission back, so no batch comes until `update_weights` (from another task, or never)."""
-        idle = not (self.in_flight or self.groups.ready or self.queue.waiting or self._closing or self._updating)
+        idle = not (self.in_flight or self.groups.ready or self.queue.waiting or self._closing or self.updates.updating)
         if self._stall_warned or not (self._trainer_waiting and idle) or self._error is not None:
             return
-        if self.admission.held_back_by_staleness(n, updates=self._counts["updates"], groups_discarded=self._discarded):
+        if self.admission.held_back_by_staleness(n, updates=self.updates.count, groups_discarded=self._discarded):
             self._stall_warned = True
             log.warning("rollout stream: nothing in flight for %.0f s, max_staleness=%d admits no more groups until "
                         "the next update_weights (%d applied), and the trainer waits for a batch: unless another "
                         "task updates the weights, it waits forever", STALL_WARNING_S, self.config.max_staleness,
-                        self._counts["updates"])
+                        self.updates.count)
 
     # ------------------------------------------------------------------ one trajectory
     async def _run_member(self, group: StreamGroup, i: int, job: Sample) -> None:
