@@ -196,7 +196,7 @@ async def test_a_pickled_registry_starts_its_own_workers_and_objects_can_ask_for
         r = await reg.execute_calls([ToolCall("echo", {"text": "obj"}, "")], context=ctx(), timeout=30, max_parallel=1)
         assert r[0].ok and int(r[0].content.split("pid=")[1]) != os.getpid()
         copy = cloudpickle.loads(cloudpickle.dumps(reg))  # what a Ray worker gets: the tools, no processes
-        assert copy._pool is None
+        assert not copy._workers.started
         r2 = await copy.execute_calls([ToolCall("echo", {"text": "copy"}, "")], context=ctx(), timeout=30, max_parallel=1)
         assert r2[0].ok and r2[0].content.split("pid=")[1] != r[0].content.split("pid=")[1]
         copy.close()

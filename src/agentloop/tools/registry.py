@@ -37,7 +37,8 @@ from .parsers import ToolCall
 from .tool_config import (
     ToolConfigError, build_entry, config_entries, entry_line, isolation_of, load_tool_class, read_yaml,
 )
-from .worker_pool import Lease, WorkerFailure, WorkerPool
+from .process_tools import ProcessTools
+from .worker_pool import WorkerPool
 from .tool_output import OutputBound, collect, truncate_tokens_locked
 from .truncate import DEFAULT_MARKER, DEFAULT_MAX_BYTES, SIDES, Side, check_marker
 
@@ -67,13 +68,9 @@ class ToolRegistry:
 
     def __init__(self, tools: Iterable[ToolLike] = ()) -> None:
         self._tools: dict[str, _Registered] = {}
-        self._pool: WorkerPool | None = None
-        self._leases: dict[int, Lease] = {}  # id(ToolContext) -> its trajectory's pinned worker
+        self._workers = ProcessTools(self._tools)  # the process tools' workers and pins
         for i, tool in enumerate(tools):
             self.add(tool, where=f"tools[{i}]")
-
-    def __getstate__(self) -> dict[str, Any]:  # a pickled copy (a Ray worker's) starts its own workers
-        return {**self.__dict__, "_pool": None, "_leases": {}}
 
     # ---- building -------------------------------------------------------------------------------
     def add(self, tool: ToolLike, *, where: str = "tool", function: Mapping[str, Any] | None = None,
@@ -124,9 +121,7 @@ class ToolRegistry:
                 spec = ("object", tool)
         self._tools[name] = _Registered(tool, {"type": "function", "function": fn}, cls(params), create, release,
                                         isolation, spec)
-        if self._pool is not None:  # rebuilt with the new tool on the next call
-            self._pool.close()
-            self._pool = None
+        self._workers.reset()  # rebuilt with the new tool on the next call
 
     @classmethod
     def load(cls, path: str | Path | None) -> "ToolRegistry":
@@ -206,7 +201,7 @@ class ToolRegistry:
             opened.append(name)
         if any(r.isolation == "process" and (r.create or r.release) for r in self._tools.values()):
             try:
-                self._leases[id(context)] = await self.pool().pin(context.trajectory_id, _fields(context))
+                await self._workers.pin(context)
             except BaseException:
                 await self._release(opened, context)
                 raise
@@ -228,23 +223,16 @@ class ToolRegistry:
                     await release(context)
                 except BaseException as e:  # noqa: BLE001 - shielded: no cancellation of ours reaches here
                     errors.append(f"tool {name!r}: release_state failed: {first_line(e)}")
-            lease = self._leases.pop(id(context), None)
-            if lease is not None and self._pool is not None:
-                try:
-                    with anyio.fail_after(60):  # bounded: a release hook that hangs costs its worker, not the step
-                        await self._pool.unpin(lease)
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(f"{first_line(e)}" if not isinstance(e, TimeoutError) else "release_state timed out")
+            unpinned = await self._workers.unpin(context)
+            if unpinned is not None:
+                errors.append(unpinned)
         if errors:
             raise RuntimeError(f"trajectory {context.trajectory_id}: " + "; ".join(errors))
 
     # ---- worker processes -----------------------------------------------------------------------
     def pool(self) -> WorkerPool:
         """The worker processes of this registry's process tools (started on first use)."""
-        if self._pool is None:
-            specs = [(name, *r.spec) for name, r in self._tools.items() if r.spec is not None]
-            self._pool = WorkerPool(specs)
-        return self._pool
+        return self._workers.pool()
 
     def isolation(self, name: str) -> str:
         """Where the named tool's calls run: "process" or "inline"."""
@@ -254,8 +242,7 @@ class ToolRegistry:
     def close(self) -> None:
         """Stop this registry's idle worker processes (the ones still busy are killed when their call
         ends; any left at interpreter exit are killed then)."""
-        if self._pool is not None:
-            self._pool.close()
+        self._workers.close()
 
     @asynccontextmanager
     async def trajectory(self, context: ToolContext) -> AsyncIterator[ToolContext]:
@@ -349,7 +336,7 @@ class ToolRegistry:
 
         t0 = time.monotonic()
         if self._tools[name].isolation == "process":  # type: ignore[index]
-            return await self._execute_in_worker(index, call, context, timeout, bound, t0)
+            return await self._workers.call(index, call, context, timeout, bound, t0)
         try:
             if getattr(tool, "runs_on_event_loop", False):
                 outcome = await run_on_loop(work, timeout=timeout)
@@ -375,45 +362,6 @@ class ToolRegistry:
             logger.warning("tool %r raised in trajectory %s", name, context.trajectory_id, exc_info=e)
             return error(f"Error: {describe(e)}", "exception")
         return ToolResult(index, name, sink.text(), seconds=seconds, call_id=call.id, truncated=sink.truncated)
-
-
-    async def _execute_in_worker(self, index: int, call: ToolCall, context: ToolContext, timeout: float,
-                                 bound: OutputBound, t0: float) -> ToolResult:
-        name = call.name
-        try:
-            reply = await self.pool().call(name, dict(call.arguments or {}), _fields(context),  # type: ignore[arg-type]
-                                           (bound.max_bytes, bound.side, bound.marker), timeout=timeout,
-                                           lease=self._leases.get(id(context)))
-        except WorkerFailure as e:
-            seconds = time.monotonic() - t0
-            if e.kind == "timeout":
-                text = f"Error: tool {name!r} timed out after {timeout:g} seconds (its worker process was replaced)"
-            else:
-                text = f"Error: tool {name!r}: {e}"
-            logger.warning("tool %r in trajectory %s: %s", name, context.trajectory_id, text)
-            return ToolResult(index, name, text, ok=False, error_kind=e.kind, seconds=seconds, call_id=call.id)  # type: ignore[arg-type]
-        except Exception as e:  # e.g. arguments or context that cannot be sent to the worker
-            return ToolResult(index, name, f"Error: tool {name!r} could not be run in its worker: {describe(e)}",
-                              ok=False, error_kind="exception", seconds=time.monotonic() - t0, call_id=call.id)
-        seconds = time.monotonic() - t0
-        note = f"\n({reply['note']})" if reply.get("note") else ""
-        if reply.get("traceback"):
-            logger.warning("tool %r raised in trajectory %s (in its worker):\n%s", name, context.trajectory_id,
-                           reply["traceback"])
-        if not reply.get("ok"):
-            kind = reply.get("kind") if reply.get("kind") in ("timeout", "exception") else "exception"
-            return ToolResult(index, name, f"{reply.get('message')}{note}", ok=False, error_kind=kind, seconds=seconds,
-                              call_id=call.id)
-        text = reply.get("text")
-        if not isinstance(text, str):
-            return ToolResult(index, name, f"Error: tool {name!r}: its worker sent no text", ok=False,
-                              error_kind="exception", seconds=seconds, call_id=call.id)
-        return ToolResult(index, name, text + note, seconds=seconds, call_id=call.id, truncated=bool(reply.get("truncated")))
-
-
-def _fields(context: ToolContext) -> dict[str, Any]:
-    """What a worker needs to make the trajectory's `ToolContext` (its `state` stays where the tool runs)."""
-    return {"trajectory_id": context.trajectory_id, "scratch_dir": context.scratch_dir, "extra": dict(context.extra)}
 
 
 def _copy_schema(schema: dict[str, Any]) -> dict[str, Any]:
