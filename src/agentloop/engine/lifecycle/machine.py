@@ -194,9 +194,7 @@ class Lifecycle:
         return w.version or self.fresh_version()
 
     def fresh_version(self) -> str:
-        """A version name this lifecycle has not given before (`auto-v<k>`), for weights that come without one;
-        prefixed so that it does not take a name a trainer gives its own versions (`v1`, `v2`, ...): an update
-        under a name already served is refused (`RolloutStream.update_weights`)."""
+        """A name this lifecycle never gave (`auto-v<k>`: never a trainer's own `v1`, `v2`, ...) for unnamed weights."""
         return f"auto-v{next(self._version_counter)}"
 
     async def _load_weights(self, w: Weights | None) -> None:
